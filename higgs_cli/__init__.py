@@ -1,0 +1,1 @@
+"""higgs_cli package."""

@@ -1,0 +1,36 @@
+"""HIGGS quantization engine: Hadamard rotation + MSE-optimal Gaussian grids, data-free.
+
+The public entry point is `quantize_checkpoint`; it is imported lazily so that light
+consumers (the API validating a config) do not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from higgs_engine.config import HiggsConfig, LayerOverride
+from higgs_engine.errors import HiggsError
+from higgs_engine.report import LayerReport, Report
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from higgs_engine.pipeline import quantize_checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    if name == "quantize_checkpoint":
+        from higgs_engine.pipeline import quantize_checkpoint
+
+        return quantize_checkpoint
+    raise AttributeError(name)
+
+
+__all__ = [
+    "HiggsConfig",
+    "HiggsError",
+    "LayerOverride",
+    "LayerReport",
+    "Report",
+    "quantize_checkpoint",
+]

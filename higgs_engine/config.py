@@ -1,0 +1,156 @@
+"""Frozen, self-validating quantization configs that serialise to versioned JSON."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from higgs_engine.errors import InvalidConfigError
+
+CONFIG_VERSION = 1
+
+# Grids the engine ships (see higgs_engine/grids.py): p=1 with n = 2..256, p=2 with n = 4..4096,
+# all powers of two. Code bits = log2(n) / p.
+SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
+    1: tuple(2**k for k in range(1, 9)),
+    2: tuple(2**k for k in range(2, 13)),
+}
+FORMATS = ("native", "dequantized")
+
+
+def code_bits(p: int, n: int) -> float:
+    """Bits of code per weight for a p-dimensional grid of n points."""
+    return math.log2(n) / p
+
+
+def check_grid(p: int, n: int) -> None:
+    if p not in SUPPORTED_GRIDS:
+        raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}")
+    if n not in SUPPORTED_GRIDS[p]:
+        raise InvalidConfigError(
+            f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}"
+        )
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Per-layer choice that replaces the config's grid: p=0 means keep the layer in 16 bits."""
+
+    name: str
+    p: int
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.p != 0:
+            check_grid(self.p, self.n)
+
+
+@dataclass(frozen=True)
+class HiggsConfig:
+    """How to quantize a checkpoint with HIGGS. Validates itself on construction."""
+
+    p: int = 2
+    n: int = 256
+    group_size: int = 256
+    rotation_block: int = 1024
+    # Seed of the optional random +-1 signs applied before the rotation; None = no signs
+    # (the reference implementations use none).
+    sign_seed: int | None = None
+    # fnmatch patterns of module names to keep in 16 bits (on top of lm_head / embeddings).
+    skip: tuple[str, ...] = ()
+    formats: tuple[str, ...] = FORMATS
+    # Per-layer choices (dynamic HIGGS); a layer not named uses (p, n).
+    overrides: tuple[LayerOverride, ...] = ()
+    # dtype of the dequantized checkpoint and of non-quantized tensors in the native artifact.
+    dtype: str = "float16"
+    seed: int = 0
+    version: int = field(default=CONFIG_VERSION)
+
+    def __post_init__(self) -> None:
+        check_grid(self.p, self.n)
+        if not _power_of_two(self.rotation_block) or not 64 <= self.rotation_block <= 4096:
+            raise InvalidConfigError(
+                f"rotation_block={self.rotation_block} must be a power of two in 64..4096"
+            )
+        if self.group_size < self.p or self.group_size % self.p or self.group_size > 4096:
+            raise InvalidConfigError(
+                f"group_size={self.group_size} must be a multiple of p={self.p} and at most 4096"
+            )
+        if not _power_of_two(self.group_size):
+            raise InvalidConfigError(f"group_size={self.group_size} must be a power of two")
+        bad = [f for f in self.formats if f not in FORMATS]
+        if bad or not self.formats:
+            raise InvalidConfigError(f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise InvalidConfigError(f"dtype={self.dtype!r} must be float16, bfloat16 or float32")
+        if self.version != CONFIG_VERSION:
+            raise InvalidConfigError(f"config version {self.version} is not {CONFIG_VERSION}")
+
+    @property
+    def code_bits(self) -> float:
+        return code_bits(self.p, self.n)
+
+    @classmethod
+    def from_bits(cls, bits: float, p: int | None = None, n: int | None = None, **kw: Any) -> HiggsConfig:
+        """The config for "b-bit HIGGS": the grid with the most code bits not above `bits`.
+
+        p=2 is preferred at equal code bits (lower MSE); `p` or `n` fix that choice.
+        """
+        if p is not None and n is not None:
+            cfg = cls(p=p, n=n, **kw)
+            if cfg.code_bits > bits + 1e-9:
+                raise InvalidConfigError(f"p={p}, n={n} has {cfg.code_bits:g} code bits, above bits={bits:g}")
+            return cfg
+        if not math.isfinite(bits) or bits <= 0:
+            raise InvalidConfigError(f"bits={bits} must be a positive number")
+        cands = []
+        for pp, ns in SUPPORTED_GRIDS.items():
+            if p is not None and pp != p:
+                continue
+            for nn in ns:
+                if n is not None and nn != n:
+                    continue
+                cb = code_bits(pp, nn)
+                if cb <= bits + 1e-9:
+                    cands.append((cb, pp == 2, pp, nn))
+        if not cands:
+            lo = min(code_bits(pp, min(ns)) for pp, ns in SUPPORTED_GRIDS.items() if p is None or pp == p)
+            raise InvalidConfigError(
+                f"bits={bits:g} is below the smallest supported grid ({lo:g} code bits"
+                + (f" with p={p}" if p is not None else "")
+                + (f" and n={n}" if n is not None else "")
+                + ")"
+            )
+        _, _, pp, nn = max(cands)
+        return cls(p=pp, n=nn, **kw)
+
+    def grid_for(self, name: str) -> tuple[int, int] | None:
+        """(p, n) used for layer `name`, or None when an override keeps it in 16 bits."""
+        for o in self.overrides:
+            if o.name == name:
+                return None if o.p == 0 else (o.p, o.n)
+        return (self.p, self.n)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["skip"] = list(self.skip)
+        d["formats"] = list(self.formats)
+        d["overrides"] = [asdict(o) for o in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HiggsConfig:
+        d = dict(d)
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise InvalidConfigError(f"unknown config fields: {sorted(unknown)}")
+        d["skip"] = tuple(d.get("skip", ()))
+        d["formats"] = tuple(d.get("formats", FORMATS))
+        d["overrides"] = tuple(LayerOverride(**o) for o in d.get("overrides", ()))
+        return cls(**d)

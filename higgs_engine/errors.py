@@ -1,0 +1,51 @@
+"""Typed errors of the engine. Every message names the bad value."""
+
+from __future__ import annotations
+
+
+class HiggsError(Exception):
+    """Base of every error the engine raises on purpose. `code` is a stable machine name."""
+
+    code: str = "engine_error"
+
+
+class InvalidConfigError(HiggsError, ValueError):
+    """A quantization option is out of range or inconsistent (bits, p, n, group size...)."""
+
+    code = "invalid_config"
+
+
+class ModelNotFoundError(HiggsError, FileNotFoundError):
+    """The model reference names no readable checkpoint (local path or Hub id)."""
+
+    code = "model_not_found"
+
+
+class UnsupportedModelError(HiggsError):
+    """The checkpoint's architecture cannot be built or has nothing quantizable."""
+
+    code = "unsupported_model"
+
+
+class CorruptCheckpointError(HiggsError):
+    """A checkpoint or artifact file exists but cannot be parsed or fails its checksum."""
+
+    code = "corrupt_checkpoint"
+
+
+class InfeasibleTargetError(HiggsError, ValueError):
+    """A compression target no allocation can meet (budget below the smallest option...)."""
+
+    code = "infeasible_target"
+
+
+class ProfileNotFoundError(HiggsError, FileNotFoundError):
+    """No cached sensitivity profile exists for the model."""
+
+    code = "profile_not_found"
+
+
+class CancelledError(HiggsError):
+    """The progress callback asked to stop (returned False or raised this)."""
+
+    code = "cancelled"
