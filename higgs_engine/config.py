@@ -108,6 +108,10 @@ class HiggsConfig:
             return cfg
         if not math.isfinite(bits) or bits <= 0:
             raise InvalidConfigError(f"bits={bits} must be a positive number")
+        if p is not None and p not in SUPPORTED_GRIDS:
+            raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}")
+        if n is not None and not any(n in ns for pp, ns in SUPPORTED_GRIDS.items() if p in (None, pp)):
+            raise InvalidConfigError(f"n={n} is not a supported grid size" + (f" for p={p}" if p else ""))
         cands = []
         for pp, ns in SUPPORTED_GRIDS.items():
             if p is not None and pp != p:

@@ -1,0 +1,1 @@
+"""Artifacts: file manifests with checksums, listing, ranged downloads and tar archives."""

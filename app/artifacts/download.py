@@ -1,0 +1,141 @@
+"""Streaming responses for artifact files (single byte ranges) and whole-artifact tar archives."""
+
+from __future__ import annotations
+
+import base64
+import re
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from app.errors import RangeNotSatisfiableError
+
+CHUNK = 256 * 1024
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(start, end_exclusive) of a single `Range: bytes=...` header; None = send everything.
+
+    Several ranges or another unit are ignored (RFC 9110 allows a full 200 response); a bytes
+    range that is malformed or starts past the end is RangeNotSatisfiableError (416).
+    """
+    if header is None:
+        return None
+    header = header.strip()
+    if not header.lower().startswith("bytes=") or "," in header:
+        return None
+    m = _RANGE.match(header.replace(" ", ""))
+    if m is None or (not m.group(1) and not m.group(2)):
+        raise RangeNotSatisfiableError(f"Range {header!r} is not a valid byte range", size=size)
+    first, last = m.group(1), m.group(2)
+    if not first:  # suffix: the last N bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise RangeNotSatisfiableError(
+                f"Range {header!r} selects no bytes of {size}", size=size
+            )
+        return max(0, size - n), size
+    start = int(first)
+    end = size if not last else min(int(last) + 1, size)
+    if start >= size or (last and int(last) < start):
+        raise RangeNotSatisfiableError(
+            f"Range {header!r} is outside the file ({size} bytes)", size=size
+        )
+    return start, end
+
+
+def digest_headers(sha256_hex: str) -> dict[str, str]:
+    b64 = base64.b64encode(bytes.fromhex(sha256_hex)).decode()
+    return {
+        "ETag": f'"{sha256_hex}"',
+        "Repr-Digest": f"sha-256=:{b64}:",
+        "X-Checksum-Sha256": sha256_hex,
+    }
+
+
+class FileSliceResponse(Response):
+    """Bytes [start, end) of a file, streamed in chunks; HEAD sends the headers only."""
+
+    def __init__(
+        self,
+        path: Path,
+        start: int,
+        end: int,
+        *,
+        status_code: int,
+        headers: dict[str, str],
+        media_type: str,
+    ) -> None:
+        self.path, self.start, self.end = path, start, end
+        super().__init__(
+            content=None,
+            status_code=status_code,
+            headers={**headers, "Content-Length": str(end - start)},
+            media_type=media_type,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        if scope.get("method") == "HEAD" or self.end <= self.start:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        remaining = self.end - self.start
+        async with await anyio.open_file(self.path, "rb") as f:
+            await f.seek(self.start)
+            while remaining > 0:
+                chunk = await f.read(min(CHUNK, remaining))
+                if not chunk:  # the file shrank under us: stop rather than hang
+                    break
+                remaining -= len(chunk)
+                await send(
+                    {"type": "http.response.body", "body": chunk, "more_body": remaining > 0}
+                )
+        if remaining > 0:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@dataclass(frozen=True)
+class TarMember:
+    name: str  # path inside the archive
+    path: Path  # file on disk
+    size: int
+
+
+def _header(member: TarMember, mtime: float) -> bytes:
+    info = tarfile.TarInfo(member.name)
+    info.size, info.mtime, info.mode = member.size, int(mtime), 0o644
+    return info.tobuf(format=tarfile.PAX_FORMAT)
+
+
+def tar_size(members: Sequence[TarMember], mtime: float) -> int:
+    """Exact byte length of tar_stream(members): known up front, so Content-Length is set."""
+    total = 0
+    for m in members:
+        total += len(_header(m, mtime)) + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    return total + 2 * tarfile.BLOCKSIZE
+
+
+def tar_stream(members: Sequence[TarMember], mtime: float) -> Iterator[bytes]:
+    """A POSIX (pax) tar of the members, produced chunk by chunk without a temporary file."""
+    for m in members:
+        yield _header(m, mtime)
+        written = 0
+        with m.path.open("rb") as f:
+            while written < m.size:
+                chunk = f.read(min(CHUNK, m.size - written))
+                if not chunk:
+                    raise OSError(f"{m.path} is shorter than its recorded {m.size} bytes")
+                written += len(chunk)
+                yield chunk
+        pad = -m.size % tarfile.BLOCKSIZE
+        if pad:
+            yield b"\0" * pad
+    yield b"\0" * (2 * tarfile.BLOCKSIZE)

@@ -1,0 +1,56 @@
+"""Checksummed file manifests of an artifact directory (pure Python, used by the worker)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_sha256(files: Iterable[tuple[str, str]]) -> str:
+    """One digest for a whole artifact: sha256 over "<sha256>  <path>\\n" lines sorted by path
+    (the format of `sha256sum`, so `sha256sum -c` can check a download)."""
+    h = hashlib.sha256()
+    for path, sha in sorted(files):
+        h.update(f"{sha}  {path}\n".encode())
+    return h.hexdigest()
+
+
+def artifact_row(format: str, root: Path) -> dict[str, Any]:
+    """The artifact row app.jobs.state.succeed() takes, from the files under `root`.
+
+    {"format", "root" (absolute), "files": [{"path", "bytes", "sha256"}], "total_bytes", "sha256"}
+    """
+    root = root.resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"artifact directory {root} does not exist")
+    files: list[dict[str, Any]] = []
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            raise ValueError(f"artifact {root} contains a symlink {p}; refusing to publish it")
+        if p.is_file():
+            files.append(
+                {
+                    "path": p.relative_to(root).as_posix(),
+                    "bytes": p.stat().st_size,
+                    "sha256": sha256_file(p),
+                }
+            )
+    return {
+        "format": format,
+        "root": str(root),
+        "files": files,
+        "total_bytes": sum(f["bytes"] for f in files),
+        "sha256": manifest_sha256((f["path"], f["sha256"]) for f in files),
+    }

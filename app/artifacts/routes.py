@@ -1,0 +1,90 @@
+"""HTTP for artifacts: file list, ranged single-file download, streamed tar archive."""
+
+from __future__ import annotations
+
+import mimetypes
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+from fastapi.responses import StreamingResponse
+from starlette.responses import Response
+
+from app.artifacts import service
+from app.artifacts.download import (
+    FileSliceResponse,
+    TarMember,
+    digest_headers,
+    parse_range,
+    tar_size,
+    tar_stream,
+)
+from app.deps import CurrentKey, SessionDep
+from app.jobs.routes import ERRORS, PROBLEM
+from app.jobs.schemas import ArtifactOut, Format
+
+router = APIRouter(prefix="/v1/jobs/{job_id}/artifacts", tags=["artifacts"])
+
+
+@router.get(
+    "/{format}", response_model=ArtifactOut, responses=ERRORS, summary="Files of an artifact"
+)
+def list_artifact(job_id: str, format: Format, session: SessionDep, key: CurrentKey) -> ArtifactOut:
+    return service.artifact_view(service.get_artifact(session, key, job_id, format))
+
+
+@router.get(
+    "/{format}/files/{path:path}",
+    responses={**ERRORS, 206: {"description": "partial content"}, 416: PROBLEM},
+    summary="One file, streamed; Range (206), ETag and sha256 digest headers",
+)
+@router.head("/{format}/files/{path:path}", include_in_schema=False)
+def download_file(
+    job_id: str,
+    format: Format,
+    path: str,
+    session: SessionDep,
+    key: CurrentKey,
+    range_: Annotated[str | None, Header(alias="Range")] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range")] = None,
+    if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+) -> Response:
+    art = service.get_artifact(session, key, job_id, format)
+    row, full = service.resolve_file(art, path)
+    headers = {**digest_headers(row.sha256), "Accept-Ranges": "bytes"}
+    etag = headers["ETag"]
+    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
+        return Response(status_code=304, headers=headers)
+    size = row.bytes
+    # If-Range with another validator: the client's partial copy is stale, send it all.
+    rng = parse_range(range_, size) if if_range is None or if_range.strip() == etag else None
+    media = mimetypes.guess_type(row.path)[0] or "application/octet-stream"
+    if rng is None:
+        return FileSliceResponse(full, 0, size, status_code=200, headers=headers, media_type=media)
+    start, end = rng
+    headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    return FileSliceResponse(full, start, end, status_code=206, headers=headers, media_type=media)
+
+
+@router.get(
+    "/{format}/archive",
+    responses={**ERRORS, 200: {"content": {"application/x-tar": {}}}},
+    summary="The whole artifact as one streamed tar",
+)
+def download_archive(
+    job_id: str, format: Format, session: SessionDep, key: CurrentKey
+) -> StreamingResponse:
+    art = service.get_artifact(session, key, job_id, format)
+    members = []
+    for f in art.files:
+        row, full = service.resolve_file(art, f.path)
+        members.append(TarMember(name=f"{art.format}/{row.path}", path=full, size=row.bytes))
+    mtime = art.created_at.timestamp()
+    return StreamingResponse(
+        tar_stream(members, mtime),
+        media_type="application/x-tar",
+        headers={
+            "Content-Length": str(tar_size(members, mtime)),
+            "Content-Disposition": f'attachment; filename="{job_id}-{art.format}.tar"',
+            "ETag": f'"{art.sha256}"',
+        },
+    )

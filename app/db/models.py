@@ -1,0 +1,174 @@
+"""The service's tables. Alembic migrations (migrations/) are the only way they are created."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from app.db.base import Base, utcnow
+
+# Job statuses (app.jobs.state owns the transitions between them).
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
+    "queued",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+)
+STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    # The first characters of the key, for display only ("higgs_AbCd..."); never enough to use.
+    prefix: Mapped[str] = mapped_column(String(32))
+    # sha256 hex of the full key; the key itself is never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        # One job per (key, Idempotency-Key); NULL keys never collide.
+        UniqueConstraint("api_key_id", "idempotency_key"),
+        # Listing: the caller's jobs newest first, optionally by status.
+        Index("ix_jobs_key_created", "api_key_id", "created_at", "id"),
+        Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), default=None)
+    # sha256 of the normalised request: same Idempotency-Key with another body is refused.
+    request_hash: Mapped[str] = mapped_column(String(64))
+    request: Mapped[dict[str, Any]] = mapped_column()
+    # {"version": 1, "engine": HiggsConfig.to_dict(), "target": {...}, "evaluate": bool}
+    config: Mapped[dict[str, Any]] = mapped_column()
+    model_id: Mapped[str] = mapped_column(String(512))
+    # The resolved commit sha (Hub) recorded by the worker; the requested revision is in `request`.
+    model_revision: Mapped[str | None] = mapped_column(String(255), default=None)
+
+    status: Mapped[str] = mapped_column(String(16), default=QUEUED, index=True)
+    stage: Mapped[str | None] = mapped_column(String(32), default=None)
+    progress_done: Mapped[int] = mapped_column(Integer, default=0)
+    progress_total: Mapped[int] = mapped_column(Integer, default=0)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
+    error_code: Mapped[str | None] = mapped_column(String(64), default=None)
+    error_message: Mapped[str | None] = mapped_column(Text, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    report: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # Seconds per stage of the last attempt, e.g. {"quantizing": 12.3}.
+    stage_durations: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    stage_started_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    layers: Mapped[list[JobLayer]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="JobLayer.idx"
+    )
+    artifacts: Mapped[list[Artifact]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="Artifact.format"
+    )
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class JobLayer(Base):
+    __tablename__ = "job_layers"
+    __table_args__ = (UniqueConstraint("job_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    idx: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(512))
+    shape: Mapped[list[Any]] = mapped_column()
+    p: Mapped[int] = mapped_column(Integer)  # 0 = kept in 16 bits
+    n: Mapped[int] = mapped_column(Integer)
+    bits: Mapped[float] = mapped_column(Float)
+    rel_error: Mapped[float | None] = mapped_column(Float, default=None)
+    alpha: Mapped[float | None] = mapped_column(Float, default=None)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    job: Mapped[Job] = relationship(back_populates="layers")
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "format"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    format: Mapped[str] = mapped_column(String(32))
+    # Absolute directory holding the files (published atomically by the worker).
+    root: Mapped[str] = mapped_column(Text)
+    total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # sha256 of the manifest ("<sha256>  <path>\n" per file, sorted by path).
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="artifacts")
+    files: Mapped[list[ArtifactFile]] = relationship(
+        back_populates="artifact", cascade="all, delete-orphan", order_by="ArtifactFile.path"
+    )
+
+
+class ArtifactFile(Base):
+    __tablename__ = "artifact_files"
+    __table_args__ = (UniqueConstraint("artifact_id", "path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    artifact_id: Mapped[int] = mapped_column(
+        ForeignKey("artifacts.id", ondelete="CASCADE"), index=True
+    )
+    # POSIX path relative to the artifact root, e.g. "model.safetensors" or "sub/x.json".
+    path: Mapped[str] = mapped_column(String(1024))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+
+    artifact: Mapped[Artifact] = relationship(back_populates="files")
+
+
+class Profile(Base):
+    """A cached sensitivity profile (dynamic HIGGS), keyed by everything that determines it."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (
+        UniqueConstraint("model_id", "revision", "metric", "text_hash", "token_budget"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(512))
+    revision: Mapped[str] = mapped_column(String(255))
+    metric: Mapped[str] = mapped_column(String(32))
+    text_hash: Mapped[str] = mapped_column(String(64))
+    token_budget: Mapped[int] = mapped_column(Integer)
+    data: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,80 @@
+"""Model references: a Hub id ("owner/name", or a legacy bare name) or, with HIGGS_MODELS_DIR
+set, the name of a checkpoint directory inside it. Pure checks, shared by API and worker."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The character rules of huggingface_hub's validate_repo_id.
+_PART = r"[A-Za-z0-9_.\-]{1,96}"
+_HUB_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")
+_REVISION = re.compile(r"^[A-Za-z0-9_.\-/]{1,255}$")
+
+
+class ModelRefError(ValueError):
+    """The reference is malformed or names nothing; `field` is the request field to blame."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "local" | "hub"
+    id: str
+    path: Path | None = None  # the directory, for local models
+    revision: str | None = None
+
+
+def _check_name(model_id: str) -> None:
+    if "\\" in model_id or model_id.startswith("/") or model_id.count("/") > 1:
+        raise ModelRefError(
+            "model.id",
+            f"model.id {model_id!r} must be a Hub id 'owner/name' or a local model name "
+            "(no path separators)",
+        )
+    if ".." in model_id or "--" in model_id:
+        raise ModelRefError("model.id", f"model.id {model_id!r} must not contain '..' or '--'")
+    if not _HUB_ID.match(model_id) or any(
+        part[0] in "-." or part[-1] in "-." or part.endswith(".git") for part in model_id.split("/")
+    ):
+        raise ModelRefError(
+            "model.id",
+            f"model.id {model_id!r} is not well-formed: use letters, digits, '-', '_', '.' "
+            "(at most 96 per part), as 'owner/name' or a local name",
+        )
+
+
+def resolve_model(model_id: str, revision: str | None, models_dir: Path | None) -> ModelSource:
+    """Check a reference and say where it lives. Local names (no '/') are looked up in
+    models_dir when it is set; otherwise a bare name is a legacy Hub id (e.g. "gpt2")."""
+    _check_name(model_id)
+    if revision is not None and (not _REVISION.match(revision) or ".." in revision):
+        raise ModelRefError(
+            "model.revision",
+            f"model.revision {revision!r} must be a branch, tag or commit sha "
+            "(letters, digits, '-', '_', '.', '/')",
+        )
+    if "/" not in model_id and models_dir is not None:
+        path = models_dir / model_id
+        if not path.is_dir():
+            available = (
+                sorted(p.name for p in models_dir.iterdir() if p.is_dir())
+                if models_dir.is_dir()
+                else []
+            )
+            raise ModelRefError(
+                "model.id",
+                f"model.id {model_id!r} is not a model directory in HIGGS_MODELS_DIR ({models_dir}); "
+                f"available: {', '.join(available) or 'none'}",
+            )
+        if revision is not None:
+            raise ModelRefError(
+                "model.revision",
+                f"model.revision {revision!r} applies to Hub models only; {model_id!r} is a local model",
+            )
+        return ModelSource(kind="local", id=model_id, path=path)
+    return ModelSource(kind="hub", id=model_id, revision=revision)

@@ -1,0 +1,186 @@
+"""HTTP for jobs: routes only translate between HTTP and app.jobs.service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from app.db.models import TERMINAL, Job
+from app.deps import CurrentKey, SessionDep, SessionsDep, SettingsDep
+from app.errors import PROBLEM_JSON
+from app.jobs import repository, service, state
+from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut
+from app.queue import enqueue_job
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457)"}
+ERRORS: dict[int | str, dict[str, Any]] = {401: PROBLEM, 404: PROBLEM, 422: PROBLEM}
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses={**ERRORS, 413: PROBLEM, 400: PROBLEM},
+    summary="Submit a quantization job",
+)
+def submit_job(
+    body: JobCreate,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    key: CurrentKey,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JobOut:
+    spec = service.validate_request(body, settings)
+    job, created = service.create_job(
+        session, key, spec, service.check_idempotency_key(idempotency_key)
+    )
+    if created:
+        # After commit: the row is the source of truth; if the broker is down the sweep
+        # re-sends the job later (enqueued_at stays NULL).
+        if enqueue_job(settings, job.id):
+            state.mark_enqueued(session, job.id)
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = service.job_url(job.id)
+    return service.job_view(job)
+
+
+@router.get("", response_model=JobPage, responses=ERRORS, summary="List the caller's jobs")
+def list_jobs(
+    session: SessionDep,
+    settings: SettingsDep,
+    key: CurrentKey,
+    status: Annotated[
+        str | None, Query(description="queued|running|succeeded|failed|cancelled")
+    ] = None,
+    limit: Annotated[int, Query()] = 20,
+    after: Annotated[
+        str | None, Query(description="the `next` cursor of the previous page")
+    ] = None,
+) -> JobPage:
+    rows, cursor = service.list_jobs(
+        session, key, status=status, limit=limit, after=after, max_limit=settings.page_limit_max
+    )
+    return JobPage(
+        data=[service.job_view(j) for j in rows], has_more=cursor is not None, next=cursor
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=ERRORS, summary="One job")
+def get_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobOut:
+    return service.job_view(service.get_job(session, key, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobOut,
+    responses={**ERRORS, 409: PROBLEM},
+    summary="Cancel a job (409 once it has finished)",
+)
+def cancel_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobOut:
+    return service.job_view(service.cancel_job(session, key, job_id))
+
+
+@router.get(
+    "/{job_id}/layers", response_model=LayersOut, responses=ERRORS, summary="Per-layer results"
+)
+def job_layers(job_id: str, session: SessionDep, key: CurrentKey) -> LayersOut:
+    rows = service.job_layers(session, key, job_id)
+    return LayersOut(
+        job_id=job_id,
+        data=[
+            LayerOut(
+                name=r.name,
+                shape=list(r.shape),
+                p=r.p,
+                n=r.n,
+                bits=r.bits,
+                alpha=r.alpha,
+                rel_error=r.rel_error,
+                bytes=r.bytes,
+            )
+            for r in rows
+        ],
+    )
+
+
+@router.get("/{job_id}/report", responses=ERRORS, summary="The full report.json of a succeeded job")
+def job_report(job_id: str, session: SessionDep, key: CurrentKey) -> JSONResponse:
+    return JSONResponse(service.job_report(session, key, job_id))
+
+
+def _snapshot(job: Job) -> dict[str, Any]:
+    view = service.job_view(job)
+    return {
+        "id": view.id,
+        "status": view.status,
+        "stage": view.stage,
+        "progress": view.progress.model_dump(),
+        "cancel_requested": view.cancel_requested,
+        "error": view.error.model_dump() if view.error else None,
+        "summary": view.summary,
+    }
+
+
+def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
+    return f"id: {event_id}\nevent: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode()
+
+
+@router.get(
+    "/{job_id}/events",
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    summary="Server-Sent Events: `state` on status changes, `progress` on stage/progress changes",
+)
+def job_events(
+    job_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
+) -> StreamingResponse:
+    service.get_job(session, key, job_id)  # 404 before the stream starts
+    key_id = key.id
+
+    def load() -> dict[str, Any] | None:
+        with sessions() as s:
+            job = repository.get_owned(s, key_id, job_id)
+            return _snapshot(job) if job is not None else None
+
+    async def stream() -> AsyncIterator[bytes]:
+        # Polls the job row: the database is the source of truth and works across processes.
+        last: dict[str, Any] | None = None
+        event_id = 0
+        deadline = time.monotonic() + settings.events_max_duration_s
+        last_sent = time.monotonic()
+        yield b"retry: 2000\n\n"
+        while time.monotonic() < deadline:
+            snap = await run_in_threadpool(load)
+            if snap is None:
+                return
+            if last is None or snap["status"] != last["status"]:
+                event_id += 1
+                yield _sse("state", snap, event_id)
+                last_sent = time.monotonic()
+            elif (snap["stage"], snap["progress"]) != (last["stage"], last["progress"]):
+                event_id += 1
+                yield _sse("progress", snap, event_id)
+                last_sent = time.monotonic()
+            last = snap
+            if snap["status"] in TERMINAL:
+                return
+            if time.monotonic() - last_sent > 15:
+                yield b": keep-alive\n\n"
+                last_sent = time.monotonic()
+            await asyncio.sleep(settings.events_poll_interval_s)
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

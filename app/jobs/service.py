@@ -1,0 +1,325 @@
+"""Business rules of the jobs API: validate a request into a versioned job config before any
+job exists, create jobs idempotently, list, cancel, and render jobs for the API."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.db.base import utcnow
+from app.db.models import STATUSES, ApiKey, Job, JobLayer
+from app.errors import NotFoundError, NotSupportedError, ValidationFailedError
+from app.jobs import repository, state
+from app.jobs.model_ref import ModelRefError, resolve_model
+from app.jobs.schemas import JobCreate, JobOut
+from app.settings import Settings
+from higgs_engine.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.errors import InvalidConfigError
+
+JOB_CONFIG_VERSION = 1
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+_CONFIG_FIELD = re.compile(r"^(\w+)=")
+_DYNAMIC = ("avg_bits", "max_ppl_increase")
+
+
+class JobNotFound(NotFoundError):
+    code = "job_not_found"
+
+
+class IdempotencyConflictError(ValidationFailedError):
+    code, title = "idempotency_conflict", "Idempotency-Key reused with another request"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated request: what is stored on the job."""
+
+    request: dict[str, Any]
+    request_hash: str
+    config: dict[str, Any]
+    model_id: str
+
+
+def _config_error_field(message: str, target_kind: str) -> str:
+    m = _CONFIG_FIELD.match(message)
+    name = m.group(1) if m else ""
+    if name == "bits":
+        return f"target.{target_kind}"
+    if name in {
+        "p",
+        "n",
+        "group_size",
+        "rotation_block",
+        "formats",
+        "dtype",
+        "skip",
+        "sign_seed",
+        "seed",
+    }:
+        return f"options.{name}"
+    return "options"
+
+
+def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
+    """Everything checkable before a job exists; ValidationFailedError (422) naming the field."""
+    try:
+        resolve_model(req.model.id, req.model.revision, settings.models_dir)
+    except ModelRefError as e:
+        raise ValidationFailedError.field(e.field, str(e)) from e
+
+    target = req.target
+    kind, value = target.kind, target.value
+    opts = req.options
+    if kind in _DYNAMIC:
+        if not settings.dynamic_targets:
+            raise NotSupportedError.field(
+                f"target.{kind}",
+                f"target.{kind} is not supported yet: it needs the dynamic HIGGS allocator, which "
+                "this service does not offer yet; use target.bits",
+            )
+        if not (value > 0 and value < float("inf")):
+            raise ValidationFailedError.field(
+                f"target.{kind}", f"target.{kind}={value} must be a positive number"
+            )
+    common: dict[str, Any] = {
+        "group_size": opts.group_size,
+        "rotation_block": opts.rotation_block,
+        "formats": tuple(opts.formats),
+        "skip": tuple(opts.skip),
+        "dtype": opts.dtype,
+        "sign_seed": opts.sign_seed,
+        "seed": opts.seed,
+    }
+    # Checked here too because HiggsConfig.from_bits(p=3) fails with a bare ValueError.
+    if opts.p is not None and opts.p not in SUPPORTED_GRIDS:
+        raise ValidationFailedError.field(
+            "options.p",
+            f"options.p={opts.p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}",
+        )
+    sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
+    all_sizes = sorted({n for ns in SUPPORTED_GRIDS.values() for n in ns})
+    if opts.n is not None and opts.n not in (sizes or all_sizes):
+        raise ValidationFailedError.field(
+            "options.n",
+            f"options.n={opts.n} is not a supported grid size; choose one of {list(sizes or all_sizes)}",
+        )
+    try:
+        if kind == "bits":
+            cfg = HiggsConfig.from_bits(value, p=opts.p, n=opts.n, **common)
+        else:
+            # The allocator picks per-layer grids; (p, n) is the base the overrides refine.
+            grid: dict[str, Any] = {
+                k: v for k, v in (("p", opts.p), ("n", opts.n)) if v is not None
+            }
+            cfg = HiggsConfig(**grid, **common)
+    except InvalidConfigError as e:
+        raise ValidationFailedError.field(_config_error_field(str(e), kind), str(e)) from e
+    if cfg.version != CONFIG_VERSION:  # pragma: no cover - the engine checks this itself
+        raise ValidationFailedError.field("options", f"engine config version {cfg.version}")
+
+    request = req.model_dump(mode="json")
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
+    return JobSpec(
+        request=request,
+        request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        config={
+            "version": JOB_CONFIG_VERSION,
+            "engine": cfg.to_dict(),
+            "target": {kind: value},
+            "evaluate": opts.evaluate,
+        },
+        model_id=req.model.id,
+    )
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not _IDEMPOTENCY_KEY.match(key):
+        raise ValidationFailedError.field(
+            "Idempotency-Key",
+            f"Idempotency-Key {key[:60]!r} must be 1..255 printable ASCII characters without spaces",
+        )
+    return key
+
+
+def _replay(job: Job, spec: JobSpec) -> Job:
+    if job.request_hash != spec.request_hash:
+        raise IdempotencyConflictError(
+            f"Idempotency-Key {job.idempotency_key!r} was already used for job {job.id} with a "
+            "different request body",
+            errors=[
+                {
+                    "field": "Idempotency-Key",
+                    "message": "already used with a different request body",
+                }
+            ],
+        )
+    return job
+
+
+def create_job(
+    session: Session, key: ApiKey, spec: JobSpec, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Insert the job (status queued) and commit. Returns (job, created). With an
+    Idempotency-Key, concurrent identical requests all get the one job: the unique constraint
+    (api_key_id, idempotency_key) decides the race, the losers read the winner's row."""
+    if idempotency_key is not None:
+        existing = repository.by_idempotency_key(session, key.id, idempotency_key)
+        if existing is not None:
+            return _replay(existing, spec), False
+    now = utcnow()
+    job = Job(
+        id=str(uuid.uuid4()),
+        api_key_id=key.id,
+        idempotency_key=idempotency_key,
+        request_hash=spec.request_hash,
+        request=spec.request,
+        config=spec.config,
+        model_id=spec.model_id,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = repository.by_idempotency_key(session, key.id, idempotency_key)
+        if existing is None:  # pragma: no cover - the conflicting row must exist
+            raise
+        return _replay(existing, spec), False
+    return job, True
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = repository.get_owned(session, key.id, job_id)
+    if job is None:
+        raise JobNotFound(f"job {job_id!r} not found")
+    return job
+
+
+def encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, job_id = json.loads(raw)
+        when = datetime.fromisoformat(created)
+        if when.tzinfo is None or not isinstance(job_id, str):
+            raise ValueError("bad cursor fields")
+    except (ValueError, TypeError, binascii.Error, json.JSONDecodeError) as e:
+        raise ValidationFailedError.field(
+            "after", f"after={cursor[:80]!r} is not a cursor from this API"
+        ) from e
+    return when, job_id
+
+
+def list_jobs(
+    session: Session,
+    key: ApiKey,
+    *,
+    status: str | None,
+    limit: int,
+    after: str | None,
+    max_limit: int,
+) -> tuple[list[Job], str | None]:
+    if status is not None and status not in STATUSES:
+        raise ValidationFailedError.field(
+            "status", f"status={status!r} must be one of {', '.join(STATUSES)}"
+        )
+    if not 1 <= limit <= max_limit:
+        raise ValidationFailedError.field(
+            "limit", f"limit={limit} must be between 1 and {max_limit}"
+        )
+    rows = repository.page(
+        session, key.id, status=status, limit=limit, after=decode_cursor(after) if after else None
+    )
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (encode_cursor(rows[-1]) if has_more and rows else None)
+
+
+def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    get_job(session, key, job_id)
+    state.request_cancel(session, job_id)
+    return get_job(session, key, job_id)
+
+
+def job_layers(session: Session, key: ApiKey, job_id: str) -> list[JobLayer]:
+    job = get_job(session, key, job_id)
+    return repository.layers(session, job.id)
+
+
+def job_report(session: Session, key: ApiKey, job_id: str) -> dict[str, Any]:
+    job = get_job(session, key, job_id)
+    if job.report is None:
+        raise NotFoundError(
+            f"job {job_id} has no report yet (status {job.status}); reports exist once a job succeeded"
+        )
+    return job.report
+
+
+def job_url(job_id: str) -> str:
+    return f"/v1/jobs/{job_id}"
+
+
+def job_view(job: Job) -> JobOut:
+    total = job.progress_total
+    failed = job.error_code is not None
+    request = job.request or {}
+    arts = job.artifacts if job.status == "succeeded" else []
+    return JobOut.model_validate(
+        {
+            "id": job.id,
+            "status": job.status,
+            "stage": job.stage,
+            "progress": {
+                "done": job.progress_done,
+                "total": total,
+                "fraction": round(job.progress_done / total, 4) if total else None,
+            },
+            "cancel_requested": job.cancel_requested,
+            "attempts": job.attempts,
+            "model": {
+                "id": job.model_id,
+                "revision": (request.get("model") or {}).get("revision"),
+                "resolved_revision": job.model_revision,
+            },
+            "created_at": job.created_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
+            "updated_at": job.updated_at,
+            "request": request,
+            "config": job.config,
+            "error": {"code": job.error_code, "message": job.error_message or ""}
+            if failed
+            else None,
+            "summary": job.summary,
+            "stage_durations": job.stage_durations,
+            "artifacts": [
+                {
+                    "format": a.format,
+                    "url": f"{job_url(job.id)}/artifacts/{a.format}",
+                    "bytes": a.total_bytes,
+                    "sha256": a.sha256,
+                }
+                for a in arts
+            ],
+        }
+    )

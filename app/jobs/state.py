@@ -1,0 +1,514 @@
+"""THE module that owns every job status transition, used by the API and by the worker.
+
+    queued -> running -> succeeded | failed
+    queued | running -> cancelled
+
+Every function here is one transaction: it changes the row with a compare-and-set UPDATE
+(`... WHERE status = <expected>`), commits, and raises a typed error when the transition is
+illegal, so two processes racing on one job can never both win.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
+
+from app.db.base import utcnow
+from app.db.models import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    Artifact,
+    ArtifactFile,
+    Job,
+    JobLayer,
+)
+from app.errors import ConflictError, NotFoundError
+
+MAX_MESSAGE_CHARS = 4000
+WORKER_LOST = "worker_lost"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class JobNotFoundError(NotFoundError):
+    code = "job_not_found"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} does not exist")
+        self.job_id = job_id
+
+
+class IllegalTransitionError(ConflictError):
+    """The job is not in a status that allows this transition (e.g. cancel after success)."""
+
+    code = "illegal_transition"
+
+    def __init__(self, job_id: str, status: str, action: str, detail: str | None = None) -> None:
+        super().__init__(detail or f"job {job_id} is {status}; cannot {action}")
+        self.job_id = job_id
+        self.job_status = status
+        self.action = action
+
+
+class JobCancelRequestedError(IllegalTransitionError):
+    """succeed() refused: the user asked to cancel. The runner removes what it published and
+    calls mark_cancelled()."""
+
+    code = "cancel_requested"
+
+
+class InvalidRowError(ValueError):
+    """A layer or artifact row handed to succeed() is malformed (a bug in the caller)."""
+
+
+@dataclass
+class StaleSweep:
+    """What requeue_stale() did, by job id."""
+
+    requeued: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+
+def _rowcount(result: Any) -> int:
+    return cast(CursorResult[Any], result).rowcount
+
+
+def _get(session: Session, job_id: str) -> Job:
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        raise JobNotFoundError(job_id)
+    return job
+
+
+def _cas(
+    session: Session,
+    job_id: str,
+    conditions: Iterable[ColumnElement[bool]],
+    values: Mapping[str, Any],
+) -> bool:
+    """UPDATE jobs SET values WHERE id = job_id AND conditions; True when the row matched."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, *conditions)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return _rowcount(session.execute(stmt)) == 1
+
+
+def _refused(session: Session, job_id: str, action: str) -> IllegalTransitionError:
+    session.rollback()
+    job = _get(session, job_id)
+    session.rollback()
+    return IllegalTransitionError(job_id, job.status, action)
+
+
+def _owned(worker_id: str | None) -> list[ColumnElement[bool]]:
+    return [Job.worker_id == worker_id] if worker_id is not None else []
+
+
+def _closed_stage_durations(job: Job, now: datetime) -> dict[str, Any]:
+    """stage_durations with the current stage's elapsed time added."""
+    durations = dict(job.stage_durations or {})
+    if job.stage and job.stage_started_at is not None:
+        elapsed = max(0.0, (now - job.stage_started_at).total_seconds())
+        durations[job.stage] = round(float(durations.get(job.stage, 0.0)) + elapsed, 6)
+    return durations
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def claim(session: Session, job_id: str, worker_id: str) -> Job | None:
+    """queued -> running (attempts += 1). None when there is nothing to claim: the job is
+    running elsewhere, finished, cancelled or unknown (a duplicate delivery simply exits)."""
+    now = utcnow()
+    ok = _cas(
+        session,
+        job_id,
+        [Job.status == QUEUED, Job.cancel_requested.is_(False)],
+        {
+            "status": RUNNING,
+            "attempts": Job.attempts + 1,
+            "worker_id": worker_id,
+            "started_at": now,
+            "heartbeat_at": now,
+            "updated_at": now,
+            "stage": None,
+            "stage_started_at": None,
+            "stage_durations": None,
+            "progress_done": 0,
+            "progress_total": 0,
+        },
+    )
+    if not ok:
+        session.rollback()
+        return None
+    session.commit()
+    return _get(session, job_id)
+
+
+def record_progress(
+    session: Session,
+    job_id: str,
+    stage: str,
+    done: int,
+    total: int,
+    *,
+    worker_id: str | None = None,
+) -> bool:
+    """Write stage, done/total and the heartbeat. Returns False when the job should stop:
+    cancel was requested, or the job is no longer running (for this worker, if given)."""
+    now = utcnow()
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        session.rollback()
+        raise JobNotFoundError(job_id)
+    if job.status != RUNNING or (worker_id is not None and job.worker_id != worker_id):
+        session.rollback()
+        return False
+    values: dict[str, Any] = {
+        "stage": stage,
+        "progress_done": int(done),
+        "progress_total": int(total),
+        "heartbeat_at": now,
+        "updated_at": now,
+    }
+    if stage != job.stage:
+        values["stage_durations"] = _closed_stage_durations(job, now)
+        values["stage_started_at"] = now
+    ok = _cas(session, job_id, [Job.status == RUNNING, *_owned(worker_id)], values)
+    if not ok:
+        session.rollback()
+        return False
+    cancel = session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
+    session.commit()
+    return not cancel
+
+
+def heartbeat(session: Session, job_id: str, *, worker_id: str | None = None) -> bool:
+    """Refresh heartbeat_at only. Same return value as record_progress."""
+    now = utcnow()
+    ok = _cas(
+        session,
+        job_id,
+        [Job.status == RUNNING, *_owned(worker_id)],
+        {"heartbeat_at": now, "updated_at": now},
+    )
+    if not ok:
+        session.rollback()
+        return False
+    cancel = session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
+    session.commit()
+    return not cancel
+
+
+def record_model_revision(
+    session: Session, job_id: str, revision: str, *, worker_id: str | None = None
+) -> None:
+    """Record the resolved model revision (Hub commit sha) on a running job."""
+    if not _cas(
+        session,
+        job_id,
+        [Job.status == RUNNING, *_owned(worker_id)],
+        {"model_revision": revision, "updated_at": utcnow()},
+    ):
+        raise _refused(session, job_id, "record the model revision")
+    session.commit()
+
+
+def summary_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's `summary` (API.md) from a report.json dict; figures it lacks are null."""
+    metrics = report.get("metrics") or {}
+    return {
+        "bits_per_weight": report.get("bits_per_weight"),
+        "bits_per_param_total": report.get("bits_per_param_total"),
+        "bytes_before": report.get("bytes_before"),
+        "bytes_after": report.get("bytes_after"),
+        "ppl_base": metrics.get("ppl_base"),
+        "ppl_quantized": metrics.get("ppl_quantized"),
+        "kl": metrics.get("kl"),
+        "predicted_ppl_increase": metrics.get("predicted_ppl_increase"),
+    }
+
+
+def _check_rel_path(path: str) -> str:
+    p = Path(path)
+    if (
+        not path
+        or "\\" in path
+        or p.is_absolute()
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
+        raise InvalidRowError(
+            f"artifact file path {path!r} must be a relative POSIX path without '..'"
+        )
+    return path
+
+
+def _layer_row(job_id: str, idx: int, row: Mapping[str, Any]) -> JobLayer:
+    try:
+        return JobLayer(
+            job_id=job_id,
+            idx=idx,
+            name=str(row["name"]),
+            shape=[int(x) for x in row["shape"]],
+            p=int(row["p"]),
+            n=int(row["n"]),
+            bits=float(row["bits"]),
+            rel_error=None if row.get("rel_error") is None else float(row["rel_error"]),
+            alpha=None if row.get("alpha") is None else float(row["alpha"]),
+            bytes=int(row.get("bytes", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidRowError(f"layer row {idx} ({dict(row)!r}) is malformed: {e}") from e
+
+
+def _artifact_row(job_id: str, row: Mapping[str, Any]) -> Artifact:
+    try:
+        fmt = str(row["format"])
+        root = str(row["root"])
+        files = []
+        for f in row["files"]:
+            sha = str(f["sha256"])
+            if not _SHA256.match(sha):
+                raise InvalidRowError(f"sha256 {sha!r} of {f.get('path')!r} is not 64 hex digits")
+            size = int(f["bytes"])
+            if size < 0:
+                raise InvalidRowError(f"bytes={size} of {f.get('path')!r} is negative")
+            files.append(ArtifactFile(path=_check_rel_path(str(f["path"])), bytes=size, sha256=sha))
+    except (KeyError, TypeError) as e:
+        raise InvalidRowError(f"artifact row {dict(row)!r} is malformed: {e}") from e
+    if not Path(root).is_absolute():
+        raise InvalidRowError(f"artifact root {root!r} must be an absolute path")
+    files.sort(key=lambda f: f.path)
+    from app.artifacts.manifest import manifest_sha256
+
+    return Artifact(
+        job_id=job_id,
+        format=fmt,
+        root=root,
+        total_bytes=int(row.get("total_bytes", sum(f.bytes for f in files))),
+        sha256=str(row.get("sha256") or manifest_sha256((f.path, f.sha256) for f in files)),
+        files=files,
+    )
+
+
+def succeed(
+    session: Session,
+    job_id: str,
+    report: Mapping[str, Any],
+    layers: Sequence[Mapping[str, Any]] | None = None,
+    artifacts: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    worker_id: str | None = None,
+    model_revision: str | None = None,
+    summary: Mapping[str, Any] | None = None,
+) -> Job:
+    """running -> succeeded, storing the report, per-layer rows and artifact rows in ONE
+    transaction. `layers` default to report["layers"]; each artifact row is
+    {"format", "root" (absolute dir), "files": [{"path", "bytes", "sha256"}]} (see
+    app.artifacts.manifest.artifact_row). Raises JobCancelRequestedError when the user asked
+    to cancel meanwhile, IllegalTransitionError when the job is not running (for this worker)."""
+    now = utcnow()
+    job = _get(session, job_id)
+    if job.status == RUNNING and job.cancel_requested:
+        session.rollback()
+        raise JobCancelRequestedError(
+            job_id, job.status, "succeed", f"job {job_id} was asked to cancel"
+        )
+    if job.status != RUNNING or (worker_id is not None and job.worker_id != worker_id):
+        session.rollback()
+        raise IllegalTransitionError(job_id, job.status, "succeed")
+    layer_rows = list(report.get("layers", [])) if layers is None else list(layers)
+    new_layers = [_layer_row(job_id, i, row) for i, row in enumerate(layer_rows)]
+    new_artifacts = [_artifact_row(job_id, row) for row in (artifacts or [])]
+    values: dict[str, Any] = {
+        "status": SUCCEEDED,
+        "report": dict(report),
+        "summary": dict(summary) if summary is not None else summary_from_report(report),
+        "stage_durations": _closed_stage_durations(job, now),
+        "stage": None,
+        "stage_started_at": None,
+        "finished_at": now,
+        "updated_at": now,
+        "heartbeat_at": now,
+    }
+    if model_revision is not None:
+        values["model_revision"] = model_revision
+    conditions = [Job.status == RUNNING, Job.cancel_requested.is_(False), *_owned(worker_id)]
+    if not _cas(session, job_id, conditions, values):
+        session.rollback()
+        job = _get(session, job_id)
+        session.rollback()
+        if job.status == RUNNING and job.cancel_requested:
+            raise JobCancelRequestedError(
+                job_id, job.status, "succeed", f"job {job_id} was asked to cancel"
+            )
+        raise IllegalTransitionError(job_id, job.status, "succeed")
+    # A redelivered job that got this far before may have left rows: replace, never duplicate.
+    session.execute(delete(JobLayer).where(JobLayer.job_id == job_id))
+    old = session.scalars(select(Artifact.id).where(Artifact.job_id == job_id)).all()
+    if old:
+        session.execute(delete(ArtifactFile).where(ArtifactFile.artifact_id.in_(old)))
+        session.execute(delete(Artifact).where(Artifact.id.in_(old)))
+    session.add_all(new_layers)
+    session.add_all(new_artifacts)
+    session.commit()
+    return _get(session, job_id)
+
+
+def fail(
+    session: Session, job_id: str, code: str, message: str, *, worker_id: str | None = None
+) -> Job:
+    """running -> failed with a stable error code and a human message."""
+    now = utcnow()
+    job = _get(session, job_id)
+    values = {
+        "status": FAILED,
+        "error_code": code[:64],
+        "error_message": message[:MAX_MESSAGE_CHARS],
+        "stage_durations": _closed_stage_durations(job, now),
+        "finished_at": now,
+        "updated_at": now,
+    }
+    if not _cas(session, job_id, [Job.status == RUNNING, *_owned(worker_id)], values):
+        raise _refused(session, job_id, "fail")
+    session.commit()
+    return _get(session, job_id)
+
+
+def mark_cancelled(session: Session, job_id: str, *, worker_id: str | None = None) -> Job:
+    """running | queued -> cancelled (the runner stopped). Idempotent on a cancelled job."""
+    now = utcnow()
+    job = _get(session, job_id)
+    if job.status == CANCELLED:
+        session.rollback()
+        return job
+    values = {
+        "status": CANCELLED,
+        "cancel_requested": True,
+        "stage_durations": _closed_stage_durations(job, now),
+        "finished_at": now,
+        "updated_at": now,
+    }
+    conditions: list[ColumnElement[bool]] = [Job.status.in_((QUEUED, RUNNING))]
+    if worker_id is not None:
+        conditions.append((Job.status == QUEUED) | (Job.worker_id == worker_id))
+    if not _cas(session, job_id, conditions, values):
+        raise _refused(session, job_id, "mark it cancelled")
+    session.commit()
+    return _get(session, job_id)
+
+
+# ---------------------------------------------------------------- API side
+
+
+def request_cancel(session: Session, job_id: str) -> Job:
+    """A queued job becomes cancelled at once; a running one gets cancel_requested and the
+    runner stops at the next layer boundary. Finished jobs: IllegalTransitionError (409)."""
+    now = utcnow()
+    if _cas(
+        session,
+        job_id,
+        [Job.status == QUEUED],
+        {"status": CANCELLED, "cancel_requested": True, "finished_at": now, "updated_at": now},
+    ):
+        session.commit()
+        return _get(session, job_id)
+    if _cas(
+        session, job_id, [Job.status == RUNNING], {"cancel_requested": True, "updated_at": now}
+    ):
+        session.commit()
+        return _get(session, job_id)
+    raise _refused(session, job_id, "cancel it")
+
+
+def mark_enqueued(session: Session, job_id: str, now: datetime | None = None) -> bool:
+    """Record that the job id reached the broker (the sweep re-sends jobs without this)."""
+    ok = _cas(session, job_id, [Job.status == QUEUED], {"enqueued_at": now or utcnow()})
+    session.commit()
+    return ok
+
+
+# ---------------------------------------------------------------- sweep side
+
+
+def list_unenqueued(session: Session, older_than: datetime, limit: int = 100) -> list[str]:
+    """Ids of queued jobs created before `older_than` that never reached the broker."""
+    stmt = (
+        select(Job.id)
+        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.created_at < older_than)
+        .order_by(Job.created_at)
+        .limit(limit)
+    )
+    ids = list(session.scalars(stmt).all())
+    session.rollback()
+    return ids
+
+
+def requeue_stale(
+    session: Session, now: datetime, heartbeat_timeout: float | timedelta, max_attempts: int
+) -> StaleSweep:
+    """Running jobs whose heartbeat is older than the timeout: back to queued (enqueued_at
+    cleared so list_unenqueued() re-sends them), or failed with code "worker_lost" once
+    `max_attempts` claims were used, or cancelled if cancel had been requested."""
+    timeout = (
+        heartbeat_timeout
+        if isinstance(heartbeat_timeout, timedelta)
+        else timedelta(seconds=heartbeat_timeout)
+    )
+    cutoff = now - timeout
+    stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff]
+    rows = session.execute(
+        select(Job.id, Job.attempts, Job.cancel_requested).where(*stale_cond)
+    ).all()
+    session.rollback()
+    out = StaleSweep()
+    for job_id, attempts, cancel in rows:
+        if cancel:
+            values: dict[str, Any] = {"status": CANCELLED, "finished_at": now, "updated_at": now}
+            bucket = out.cancelled
+        elif attempts >= max_attempts:
+            values = {
+                "status": FAILED,
+                "error_code": WORKER_LOST,
+                "error_message": (
+                    f"the worker stopped sending heartbeats (none for {timeout.total_seconds():g}s) "
+                    f"on attempt {attempts} of {max_attempts}; giving up"
+                ),
+                "finished_at": now,
+                "updated_at": now,
+            }
+            bucket = out.failed
+        else:
+            values = {
+                "status": QUEUED,
+                "worker_id": None,
+                "stage": None,
+                "stage_started_at": None,
+                "progress_done": 0,
+                "progress_total": 0,
+                "heartbeat_at": None,
+                "enqueued_at": None,
+                "updated_at": now,
+            }
+            bucket = out.requeued
+        # Re-check staleness in the UPDATE itself: a heartbeat that arrived meanwhile wins.
+        if _cas(session, job_id, stale_cond, values):
+            session.commit()
+            bucket.append(job_id)
+        else:
+            session.rollback()
+    return out

@@ -1,0 +1,204 @@
+"""The FastAPI application factory: `uvicorn --factory app.main:create_app`.
+
+Errors of every kind (app.errors.AppError, request validation, unknown routes) are rendered as
+RFC 9457 problem+json here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.artifacts.routes import router as artifacts_router
+from app.db.session import create_db_engine, session_factory
+from app.errors import (
+    PROBLEM_JSON,
+    AppError,
+    MalformedBodyError,
+    PayloadTooLargeError,
+    RangeNotSatisfiableError,
+    UnauthorizedError,
+    ValidationFailedError,
+)
+from app.jobs.routes import router as jobs_router
+from app.ops.metrics import LatencyMiddleware, build_registry
+from app.ops.routes import router as ops_router
+from app.plans.routes import router as plans_router
+from app.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+_STATUS_TITLES = {404: "Not found", 405: "Method not allowed", 400: "Bad request"}
+_SOURCES = ("body", "query", "path", "header", "cookie")
+
+
+def problem_response(err: AppError, instance: str | None) -> JSONResponse:
+    headers: dict[str, str] = {}
+    if isinstance(err, RangeNotSatisfiableError):
+        headers["Content-Range"] = f"bytes */{err.size}"
+    if isinstance(err, UnauthorizedError):
+        headers["WWW-Authenticate"] = 'Bearer realm="higgs"'
+    return JSONResponse(
+        err.problem(instance), status_code=err.status, media_type=PROBLEM_JSON, headers=headers
+    )
+
+
+def _field(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in _SOURCES:
+        if len(parts) == 1:
+            return parts[0]
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return "unknown field"
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    inp = err.get("input")
+    if (
+        kind != "missing"
+        and isinstance(inp, str | int | float | bool)
+        and not isinstance(inp, bytes)
+    ):
+        msg += f" (got {inp!r})"
+    return msg
+
+
+def validation_problem(exc: RequestValidationError) -> AppError:
+    errors = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        e = next(e for e in errors if e.get("type") == "json_invalid")
+        where = e.get("ctx", {}).get("error", "")
+        return MalformedBodyError(f"the request body is not valid JSON: {where}".rstrip(": "))
+    fields = [{"field": _field(e.get("loc", ())), "message": _message(e)} for e in errors]
+    detail = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    return ValidationFailedError(detail, errors=fields)
+
+
+class BodyLimitMiddleware:
+    """413 problem+json for bodies above max_bytes, checked on Content-Length and on the bytes
+    actually received (chunked uploads), before the app parses anything."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        err = PayloadTooLargeError(
+            f"request body of {size} bytes is above the limit of {self.max_bytes} bytes"
+        )
+        await problem_response(err, scope.get("path"))(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes:
+                    await self._too_large(scope, receive, send, str(declared))
+                    return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body.extend(message.get("body", b""))
+            if len(body) > self.max_bytes:
+                await self._too_large(scope, receive, send, f"more than {self.max_bytes}")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AppError)
+    async def app_error(request: Request, exc: AppError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("%s: %s", exc.code, exc.detail)
+        return problem_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return problem_response(validation_problem(exc), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = AppError(str(exc.detail))
+        err.status = exc.status_code
+        err.title = _STATUS_TITLES.get(exc.status_code, "HTTP error")
+        err.code = err.title.lower().replace(" ", "_")
+        resp = problem_response(err, request.url.path)
+        for k, v in (exc.headers or {}).items():
+            resp.headers[k] = v
+        return resp
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = AppError("an unexpected error occurred; it has been logged")
+        err.status, err.code, err.title = 500, "internal_error", "Internal server error"
+        return problem_response(err, request.url.path)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the API for `settings` (default: from the environment). The database must have
+    been migrated (`alembic upgrade head`, app.db.migrate.upgrade_database)."""
+    settings = settings or get_settings()
+    settings.ensure_dirs()
+    engine = create_db_engine(settings.database_url)
+    sessions = session_factory(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    app = FastAPI(
+        title="HIGGS quantization service",
+        version="1.0.0",
+        description="Submit HIGGS quantization jobs, follow them, download the artifacts. "
+        "Errors are RFC 9457 problem+json.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = sessions
+    registry, latency = build_registry(sessions, settings)
+    app.state.metrics_registry = registry
+
+    _install_error_handlers(app)
+    app.include_router(jobs_router)
+    app.include_router(artifacts_router)
+    app.include_router(plans_router)
+    app.include_router(ops_router)
+    # Outermost last: latency sees everything, the body limit runs before routing.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(LatencyMiddleware, histogram=latency)
+    return app

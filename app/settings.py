@@ -1,0 +1,111 @@
+"""Service settings: read once from the environment (prefix HIGGS_) and passed down.
+
+Everything defaults to one data directory so that the embedded shape (SQLite file, local
+artifacts, a server-less Celery transport) needs no configuration at all.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TASK_NAME = "higgs.run_job"
+DEFAULT_QUEUE = "higgs"
+GPU_QUEUE = "higgs.gpu"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HIGGS_", extra="ignore")
+
+    data_dir: Path = Path(".higgs")
+    # None -> derived from data_dir in the validator below (so the fields are always set after).
+    database_url: str = ""
+    broker_url: str = ""
+    artifacts_dir: Path | None = None
+    # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
+    models_dir: Path | None = None
+    hf_token: str | None = None
+    hf_offline: bool = False
+
+    # HTTP
+    max_body_bytes: int = Field(default=64 * 1024, gt=0)
+    page_limit_max: int = Field(default=100, gt=0)
+    events_poll_interval_s: float = Field(default=0.5, gt=0)
+    # SSE streams end after this long even if the job is still running (clients reconnect).
+    events_max_duration_s: float = Field(default=3600.0, gt=0)
+    # The avg_bits / max_ppl_increase targets need the dynamic HIGGS allocator; until the
+    # engine has it they are refused with a 422 rather than silently run as uniform HIGGS.
+    dynamic_targets: bool = False
+
+    # Queue / worker
+    task_queue: str = DEFAULT_QUEUE
+    broker_timeout_s: float = Field(default=3.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=120.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    # A queued job whose enqueue never happened is re-sent by the sweep after this grace.
+    enqueue_grace_s: float = Field(default=30.0, ge=0)
+    sweep_interval_s: float = Field(default=30.0, gt=0)
+    job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
+    job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)
+    worker_concurrency: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> Settings:
+        self.data_dir = self.data_dir.expanduser().resolve()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'higgs.db'}"
+        if not self.broker_url:
+            # kombu's filesystem transport: a broker that is just folders under data_dir.
+            self.broker_url = "filesystem://"
+        if self.artifacts_dir is None:
+            self.artifacts_dir = self.data_dir / "artifacts"
+        self.artifacts_dir = self.artifacts_dir.expanduser().resolve()
+        if self.models_dir is not None:
+            self.models_dir = self.models_dir.expanduser().resolve()
+        return self
+
+    @property
+    def artifacts_path(self) -> Path:
+        """artifacts_dir, typed as always set (the validator fills it)."""
+        if self.artifacts_dir is None:  # pragma: no cover - the validator always sets it
+            raise RuntimeError("artifacts_dir is not set")
+        return self.artifacts_dir
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.data_dir / "broker"
+
+    @property
+    def is_filesystem_broker(self) -> bool:
+        return self.broker_url.startswith("filesystem:")
+
+    def broker_transport_options(self) -> dict[str, Any]:
+        """kombu transport options for broker_url (the filesystem transport needs its folders)."""
+        if self.is_filesystem_broker:
+            folder = self.broker_folder
+            return {
+                "data_folder_in": str(folder / "queue"),
+                "data_folder_out": str(folder / "queue"),
+                "processed_folder": str(folder / "processed"),
+                "control_folder": str(folder / "control"),
+                "store_processed": False,
+            }
+        return {}
+
+    def ensure_dirs(self) -> None:
+        """Create the folders the embedded shape writes to (idempotent)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.artifacts_path.mkdir(parents=True, exist_ok=True)
+        if self.is_filesystem_broker:
+            for key in ("data_folder_in", "processed_folder", "control_folder"):
+                Path(self.broker_transport_options()[key]).mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

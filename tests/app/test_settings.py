@@ -1,0 +1,50 @@
+"""Settings: everything derives from one data directory unless the environment says otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.db.session import normalise_url
+from app.settings import Settings
+
+
+def test_defaults_live_under_the_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (
+        "HIGGS_DATABASE_URL",
+        "HIGGS_BROKER_URL",
+        "HIGGS_ARTIFACTS_DIR",
+        "HIGGS_MODELS_DIR",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HIGGS_DATA_DIR", str(tmp_path / "d"))
+    s = Settings()
+    assert s.data_dir == (tmp_path / "d").resolve()
+    assert s.database_url == f"sqlite:///{tmp_path.resolve() / 'd' / 'higgs.db'}"
+    assert s.broker_url == "filesystem://" and s.is_filesystem_broker
+    assert s.artifacts_path == (tmp_path / "d" / "artifacts").resolve()
+    assert Path(s.broker_transport_options()["data_folder_in"]).is_relative_to(s.data_dir)
+    s.ensure_dirs()
+    assert (
+        s.artifacts_path.is_dir() and Path(s.broker_transport_options()["control_folder"]).is_dir()
+    )
+
+
+def test_environment_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIGGS_DATABASE_URL", "postgresql://u:p@db:5432/higgs")
+    monkeypatch.setenv("HIGGS_BROKER_URL", "redis://redis:6379/0")
+    monkeypatch.setenv("HIGGS_MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("HIGGS_MAX_BODY_BYTES", "1024")
+    monkeypatch.setenv("HIGGS_DYNAMIC_TARGETS", "true")
+    s = Settings()
+    assert normalise_url(s.database_url) == "postgresql+psycopg://u:p@db:5432/higgs"
+    assert s.broker_transport_options() == {} and not s.is_filesystem_broker
+    assert s.models_dir == tmp_path.resolve() and s.max_body_bytes == 1024 and s.dynamic_targets
+
+
+def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIGGS_MAX_BODY_BYTES", "-5")
+    with pytest.raises(ValidationError, match="max_body_bytes"):
+        Settings()
