@@ -1,0 +1,401 @@
+"""Quantize / dequantize one weight matrix with HIGGS (ALGORITHM.md section 1).
+
+W (out, in) -> rotate each row blockwise (y = Hn D x) -> per scale group of g rotated values,
+s = RMS in fp16 -> z = y / s cut into p-tuples -> index of the nearest point of the (p, n)
+Gaussian grid -> codes bit-packed at log2(n) bits per tuple.
+
+Dequantize: W_hat = D Hn (s * grid[codes]) blockwise. `higgs_matmul` avoids the inverse rotation
+by rotating the activations instead: x @ W_hat^T = (Hn D x) @ (s * grid[codes])^T.
+
+Bits accounting (`QuantizedMatrix.bits_per_weight`): exact code bits plus 16 bits per fp16 scale,
+divided by the number of weights. The grid itself (n * p fp32 values) is shared by every matrix
+that uses it, so it is NOT counted here: the pipeline counts each grid once per artifact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
+from higgs_engine.grids import get_grid
+from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
+from higgs_engine.nearest import nearest_points, nearest_points_reference
+from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
+
+__all__ = [
+    "QuantizedMatrix",
+    "dequantize_matrix",
+    "group_lengths",
+    "higgs_matmul",
+    "nearest_points",
+    "nearest_points_reference",
+    "quantize_matrix",
+    "relative_error",
+    "rotated_weight",
+]
+
+FORMAT = "higgs-matrix"
+FORMAT_VERSION = 1
+# Elements per row chunk: bounds the temporaries (rotated rows, tuples, codes) to a few
+# tens of MB whatever the matrix size.
+CHUNK_ELEMENTS = 1 << 21
+FP16_MAX = 65504.0
+
+
+def _is_power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def group_lengths(layout: Sequence[int], group_size: int) -> list[int]:
+    """Lengths of the scale groups of one row: g-sized groups, or the whole block if shorter."""
+    out: list[int] = []
+    for h in layout:
+        if h >= group_size:
+            out.extend([group_size] * (h // group_size))
+        else:
+            out.append(h)
+    return out
+
+
+@dataclass(eq=False)
+class QuantizedMatrix:
+    """A HIGGS-quantized (out_features, in_features) matrix.
+
+    codes: uint8 little-endian bit stream of out*in/p codes of log2(n) bits, row-major tuples.
+    scales: float16 (out_features, groups per row), groups in row order (see `group_lengths`).
+    """
+
+    out_features: int
+    in_features: int
+    p: int
+    n: int
+    group_size: int
+    layout: list[int]
+    sign_seed: int | None
+    codes: torch.Tensor
+    scales: torch.Tensor
+    _group_lens: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.layout = [int(h) for h in self.layout]
+        self._group_lens = group_lengths(self.layout, self.group_size)
+
+    @property
+    def bits(self) -> int:
+        """Code bits per p-tuple."""
+        return int(math.log2(self.n))
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def num_codes(self) -> int:
+        return self.numel // self.p
+
+    @property
+    def group_lens(self) -> list[int]:
+        return list(self._group_lens)
+
+    def bits_per_weight(self) -> float:
+        """(code bits + 16 * number of scales) / number of weights; grids are counted by the
+        pipeline, once per artifact."""
+        return (self.num_codes * self.bits + 16 * self.scales.numel()) / self.numel
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (packed codes + fp16 scales)."""
+        return self.codes.numel() + 2 * self.scales.numel()
+
+    def signs(self) -> torch.Tensor | None:
+        return None if self.sign_seed is None else random_signs(self.in_features, self.sign_seed)
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able description that, with `to_tensors()`, restores the matrix exactly."""
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+            "p": self.p,
+            "n": self.n,
+            "group_size": self.group_size,
+            "layout": list(self.layout),
+            "sign_seed": self.sign_seed,
+        }
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes.contiguous(), "scales": self.scales.contiguous()}
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> QuantizedMatrix:
+        """Rebuild from `to_tensors()` + `meta()`; raises CorruptCheckpointError on mismatch."""
+        try:
+            if meta.get("format") != FORMAT or int(meta["version"]) != FORMAT_VERSION:
+                raise CorruptCheckpointError(
+                    f"matrix meta format {meta.get('format')!r} v{meta.get('version')!r} "
+                    f"is not {FORMAT} v{FORMAT_VERSION}"
+                )
+            q = cls(
+                out_features=int(meta["out_features"]),
+                in_features=int(meta["in_features"]),
+                p=int(meta["p"]),
+                n=int(meta["n"]),
+                group_size=int(meta["group_size"]),
+                layout=[int(h) for h in meta["layout"]],
+                sign_seed=None if meta["sign_seed"] is None else int(meta["sign_seed"]),
+                codes=tensors["codes"],
+                scales=tensors["scales"],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"quantized matrix meta/tensors are incomplete: {e!r}"
+            ) from e
+        q.validate()
+        return q
+
+    def validate(self) -> None:
+        """Check internal consistency (shapes, dtypes, sizes); CorruptCheckpointError if not."""
+        if sum(self.layout) != self.in_features or any(
+            not _is_power_of_two(h) for h in self.layout
+        ):
+            raise CorruptCheckpointError(
+                f"layout {self.layout} does not cover in_features={self.in_features} with powers of two"
+            )
+        if self.n < 2 or not _is_power_of_two(self.n) or self.p < 1 or self.in_features % self.p:
+            raise CorruptCheckpointError(
+                f"bad grid p={self.p}, n={self.n} for in_features={self.in_features}"
+            )
+        if self.codes.dtype != torch.uint8 or self.codes.dim() != 1:
+            raise CorruptCheckpointError(
+                f"codes must be 1-D uint8, got {self.codes.dtype} {tuple(self.codes.shape)}"
+            )
+        need = packed_nbytes(self.num_codes, self.bits)
+        if self.codes.numel() != need:
+            raise CorruptCheckpointError(f"codes hold {self.codes.numel()} bytes, expected {need}")
+        want = (self.out_features, len(self._group_lens))
+        if self.scales.dtype != torch.float16 or tuple(self.scales.shape) != want:
+            raise CorruptCheckpointError(
+                f"scales must be float16 {want}, got {self.scales.dtype} {tuple(self.scales.shape)}"
+            )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_inputs(W: torch.Tensor, p: int, n: int, group_size: int, rotation_block: int) -> None:
+    if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+        raise InvalidConfigError(f"W must be a 2-D tensor, got {shape}")
+    if not W.dtype.is_floating_point:
+        raise InvalidConfigError(f"W must be floating point, got {W.dtype}")
+    if W.numel() == 0:
+        raise InvalidConfigError(f"W of shape {tuple(W.shape)} is empty")
+    if not isinstance(p, int) or p < 1:
+        raise InvalidConfigError(f"p={p!r} must be a positive integer")
+    if not isinstance(n, int) or n < 2 or not _is_power_of_two(n) or n > 1 << 12:
+        raise InvalidConfigError(f"n={n!r} must be a power of two in 2..4096")
+    if not isinstance(group_size, int) or not _is_power_of_two(group_size) or group_size < p:
+        raise InvalidConfigError(f"group_size={group_size!r} must be a power of two >= p={p}")
+    if group_size % p:
+        raise InvalidConfigError(f"group_size={group_size} is not a multiple of p={p}")
+    if not isinstance(rotation_block, int) or not _is_power_of_two(rotation_block):
+        raise InvalidConfigError(f"rotation_block={rotation_block!r} must be a power of two")
+    if W.shape[1] % p:
+        raise InvalidConfigError(f"in_features={W.shape[1]} is not divisible by p={p}")
+
+
+def _raise_non_finite(W: torch.Tensor) -> None:
+    bad = int((~torch.isfinite(W)).sum())
+    if bad:
+        raise InvalidConfigError(f"W has {bad} non-finite values (nan or inf)")
+
+
+def _row_chunk(in_features: int) -> int:
+    # A multiple of 8 rows keeps every chunk's code stream byte-aligned for any bit width.
+    return max(8, (CHUNK_ELEMENTS // in_features) // 8 * 8)
+
+
+def _group_rms(y: torch.Tensor, group_lens: Sequence[int], group_size: int) -> torch.Tensor:
+    """RMS of each scale group: (rows, in) -> (rows, groups), float32."""
+    rows, width = y.shape
+    full = sum(length for length in group_lens if length == group_size)
+    parts = []
+    if full:
+        seg = y[:, :full].reshape(rows, full // group_size, group_size)  # (rows, G, g)
+        parts.append(seg.square().mean(-1))
+    start = full
+    for length in group_lens[full // group_size :]:
+        parts.append(y[:, start : start + length].square().mean(-1, keepdim=True))
+        start += length
+    return torch.cat(parts, dim=1).sqrt() if len(parts) > 1 else parts[0].sqrt()
+
+
+def _scale_groups_(
+    y: torch.Tensor, factors: torch.Tensor, group_lens: Sequence[int], group_size: int
+) -> torch.Tensor:
+    """In place: multiply each scale group of y (rows, in) by factors (rows, groups)."""
+    rows = y.shape[0]
+    nfull = sum(1 for length in group_lens if length == group_size)
+    full = nfull * group_size
+    if nfull:
+        # A view, not a gather: the full groups are contiguous runs of g columns.
+        y[:, :full].view(rows, nfull, group_size).mul_(factors[:, :nfull, None])  # (rows, G, g)
+    start = full
+    for k, length in enumerate(group_lens[nfull:], start=nfull):
+        y[:, start : start + length].mul_(factors[:, k : k + 1])
+        start += length
+    return y
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def quantize_matrix(
+    W: torch.Tensor,
+    p: int,
+    n: int,
+    group_size: int = 256,
+    rotation_block: int = 1024,
+    sign_seed: int | None = None,
+    grid: torch.Tensor | None = None,
+) -> QuantizedMatrix:
+    """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research)."""
+    _check_inputs(W, p, n, group_size, rotation_block)
+    out_f, in_f = W.shape
+    if grid is None:
+        grid = get_grid(p, n)
+    elif tuple(grid.shape) != (n, p):
+        raise InvalidConfigError(f"grid of shape {tuple(grid.shape)} is not ({n}, {p})")
+    grid = grid.to(torch.float32)
+    layout = block_layout(in_f, rotation_block)
+    lens = group_lengths(layout, group_size)
+    bad = [length for length in lens if length % p]
+    if bad:
+        raise InvalidConfigError(
+            f"scale group of length {bad[0]} (layout {layout}) is not divisible by p={p}"
+        )
+    signs = None if sign_seed is None else random_signs(in_f, sign_seed)
+    bits = int(math.log2(n))
+    scales = torch.empty(out_f, len(lens), dtype=torch.float16)
+    packed: list[torch.Tensor] = []
+    step = _row_chunk(in_f)
+    for r0 in range(0, out_f, step):
+        # Quantization runs on CPU (the lookup tables live there); W may be on any device.
+        w = W[r0 : r0 + step].to(device="cpu", dtype=torch.float32)  # (rows, in)
+        y = rotate(w, layout, signs)  # (rows, in)
+        rms = _group_rms(y, lens, group_size)  # (rows, G)
+        # A nan/inf weight makes its group's RMS non-finite: checking the (rows, G) RMS is
+        # much cheaper than scanning W, and the full scan only runs to name the count.
+        if not bool(torch.isfinite(rms).all()):
+            _raise_non_finite(W)
+        if bool((rms > FP16_MAX).any()):
+            raise InvalidConfigError(
+                f"a scale group RMS of {float(rms.max()):.4g} in rows {r0}.. exceeds the fp16 range"
+            )
+        s16 = rms.to(torch.float16)
+        scales[r0 : r0 + step] = s16
+        s = s16.to(torch.float32)
+        # Divide by the stored fp16 scale so dequantization sees exactly what was coded;
+        # an all-zero group (s = 0) maps to z = 0 and dequantizes to 0.
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        z = _scale_groups_(y, inv, lens, group_size)  # (rows, in), y scaled in place
+        codes = nearest_points(z.reshape(-1, p), grid)  # (rows * in / p,)
+        packed.append(pack_codes(codes, bits))
+    q = QuantizedMatrix(
+        out_features=out_f,
+        in_features=in_f,
+        p=p,
+        n=n,
+        group_size=group_size,
+        layout=layout,
+        sign_seed=sign_seed,
+        codes=torch.cat(packed) if len(packed) > 1 else packed[0],
+        scales=scales,
+    )
+    return q
+
+
+def _chunk_rotated(q: QuantizedMatrix, r0: int, r1: int, grid: torch.Tensor) -> torch.Tensor:
+    """Rotated-domain weights s * grid[codes] for rows r0..r1: (rows, in) float32."""
+    per_row = q.in_features // q.p
+    b0 = r0 * per_row * q.bits // 8  # byte-aligned because r0 is a multiple of 8
+    count = (r1 - r0) * per_row
+    b1 = b0 + packed_nbytes(count, q.bits)
+    codes = unpack_codes(q.codes[b0:b1], q.bits, count)
+    y = grid.index_select(0, codes).reshape(r1 - r0, q.in_features)  # (rows, in)
+    return _scale_groups_(y, q.scales[r0:r1].to(torch.float32), q.group_lens, q.group_size)
+
+
+def _grid_for(q: QuantizedMatrix, grid: torch.Tensor | None) -> torch.Tensor:
+    g = get_grid(q.p, q.n) if grid is None else grid
+    if tuple(g.shape) != (q.n, q.p):
+        raise InvalidConfigError(f"grid of shape {tuple(g.shape)} is not ({q.n}, {q.p})")
+    return g.to(torch.float32)
+
+
+def rotated_weight(q: QuantizedMatrix, grid: torch.Tensor | None = None) -> torch.Tensor:
+    """s * grid[codes] as an (out, in) float32 matrix in the rotated basis."""
+    q.validate()
+    g = _grid_for(q, grid)
+    out = torch.empty(q.out_features, q.in_features, dtype=torch.float32)
+    step = _row_chunk(q.in_features)
+    for r0 in range(0, q.out_features, step):
+        r1 = min(r0 + step, q.out_features)
+        out[r0:r1] = _chunk_rotated(q, r0, r1, g)
+    return out
+
+
+def dequantize_matrix(q: QuantizedMatrix, grid: torch.Tensor | None = None) -> torch.Tensor:
+    """W_hat = D Hn (s * grid[codes]) blockwise: (out, in) float32."""
+    q.validate()
+    g = _grid_for(q, grid)
+    signs = q.signs()
+    out = torch.empty(q.out_features, q.in_features, dtype=torch.float32)
+    step = _row_chunk(q.in_features)
+    for r0 in range(0, q.out_features, step):
+        r1 = min(r0 + step, q.out_features)
+        out[r0:r1] = unrotate(_chunk_rotated(q, r0, r1, g), q.layout, signs)
+    return out
+
+
+def higgs_matmul(
+    x: torch.Tensor, q: QuantizedMatrix, w_rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W_hat^T without the inverse rotation: rotate x blockwise and multiply by the
+    rotated-domain weights (pass a cached `rotated_weight(q)` as w_rot to skip unpacking).
+    x: (..., in) -> (..., out), in x's dtype."""
+    if x.shape[-1] != q.in_features:
+        raise InvalidConfigError(
+            f"x has last dim {x.shape[-1]}, the matrix expects {q.in_features}"
+        )
+    if w_rot is None:
+        w_rot = rotated_weight(q)
+    xr = rotate(x, q.layout, q.signs())  # (..., in) float32 (float64 for float64 x)
+    y = xr @ w_rot.to(device=xr.device, dtype=xr.dtype).T  # (..., out)
+    return y.to(x.dtype)
+
+
+def relative_error(W: torch.Tensor, W_hat: torch.Tensor) -> float:
+    """t^2 = ||W_hat - W||_F^2 / ||W||_F^2 (float64 accumulation, row chunks)."""
+    if W.shape != W_hat.shape:
+        raise InvalidConfigError(f"shapes differ: {tuple(W.shape)} vs {tuple(W_hat.shape)}")
+    w2 = W.reshape(W.shape[0], -1) if W.dim() > 1 else W.reshape(1, -1)
+    h2 = W_hat.reshape(w2.shape)
+    num = 0.0
+    den = 0.0
+    step = max(1, CHUNK_ELEMENTS // max(1, w2.shape[1]))
+    for r0 in range(0, w2.shape[0], step):
+        a = w2[r0 : r0 + step].to(torch.float64)
+        b = h2[r0 : r0 + step].to(torch.float64)
+        num += float((b - a).square().sum())
+        den += float(a.square().sum())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
