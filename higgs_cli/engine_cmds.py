@@ -1,0 +1,297 @@
+"""Engine verbs of the `higgs` command: `quantize` and `eval`.
+
+Only argparse is imported at module level; torch / transformers load inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from higgs_cli.main import CliError
+
+
+def register(subparsers: Any) -> None:
+    q = subparsers.add_parser(
+        "quantize",
+        help="quantize a Hugging Face checkpoint with HIGGS",
+        description=(
+            "Quantize SOURCE (a checkpoint directory, a .gguf file or a Hub id) and write "
+            "DIR/native, DIR/dequantized and DIR/report.json."
+        ),
+    )
+    q.add_argument("source", metavar="SOURCE", help="checkpoint directory, .gguf file or Hub id")
+    q.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist)")
+    q.add_argument(
+        "--bits",
+        type=float,
+        metavar="B",
+        help="code bits per weight, log2(n)/p (4 -> p=2 n=256, 4.5 -> p=2 n=512); default 4",
+    )
+    q.add_argument("--p", type=int, metavar="P", help="grid dimension (1 or 2)")
+    q.add_argument("--n", type=int, metavar="N", help="grid size (a power of two)")
+    q.add_argument(
+        "--group-size", type=int, default=256, metavar="G", help="scale group (default 256)"
+    )
+    q.add_argument(
+        "--rotation-block",
+        type=int,
+        default=1024,
+        metavar="H",
+        help="largest Hadamard block (default 1024)",
+    )
+    q.add_argument(
+        "--sign-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="random-sign seed (default: no signs)",
+    )
+    q.add_argument(
+        "--format",
+        default="native,dequantized",
+        metavar="F[,F]",
+        help="artifacts to write: native, dequantized or both (default both)",
+    )
+    q.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float16", "bfloat16", "float32"],
+        help="dtype of 16-bit tensors and of the dequantized checkpoint",
+    )
+    q.add_argument(
+        "--skip",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="fnmatch pattern(s) of module names to keep in 16 bits",
+    )
+    q.add_argument(
+        "--revision", default=None, metavar="R", help="Hub revision (branch, tag or sha)"
+    )
+    q.add_argument(
+        "--token",
+        default=None,
+        metavar="T",
+        help="Hub token (default: huggingface_hub's own HF_TOKEN / login)",
+    )
+    q.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    dyn = _dynamic_hooks()
+    if dyn is not None:
+        dyn.add_quantize_args(q)  # --avg-bits / --max-ppl-increase / --profile ... (issue 4)
+    q.set_defaults(handler=cmd_quantize)
+
+    e = subparsers.add_parser(
+        "eval",
+        help="perplexity / KL of a model or artifact on a text file",
+        description=(
+            "Perplexity of MODEL (checkpoint dir, native or dequantized artifact, or a "
+            "`higgs quantize` output dir) over non-overlapping windows of a text file, and the "
+            "KL divergence from BASE's next-token distribution."
+        ),
+    )
+    e.add_argument("model", metavar="MODEL")
+    e.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file")
+    e.add_argument("--base", default=None, metavar="BASE", help="base model for KL")
+    e.add_argument(
+        "--context", type=int, default=512, metavar="T", help="tokens per window (default 512)"
+    )
+    e.add_argument(
+        "--windows", type=int, default=40, metavar="W", help="number of windows (default 40)"
+    )
+    e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    e.add_argument("--json", action="store_true", help='print {"ppl", "kl", "tokens"} as JSON')
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(handler=cmd_eval)
+
+
+def _dynamic_hooks() -> Any:
+    """higgs_cli.dynamic_cmds (dynamic HIGGS options of `quantize`), or None if absent."""
+    try:
+        from higgs_cli import dynamic_cmds
+    except ModuleNotFoundError:
+        return None
+    return dynamic_cmds
+
+
+class _Bars:
+    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.stage: str | None = None
+        self.bar: Any = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            unit = (
+                "layer"
+                if stage == "quantizing"
+                else ("window" if stage == "evaluating" else "step")
+            )
+            # disable=None: tqdm turns itself off when stderr is not a terminal.
+            self.bar = tqdm(
+                total=total, desc=stage, unit=unit, file=sys.stderr, disable=None, leave=False
+            )
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _quiet_libraries() -> None:
+    """Silence transformers' own progress bars and warnings: stderr carries our bar or our
+    one-line error, nothing else."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from higgs_engine.config import HiggsConfig
+
+    formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
+    skip = tuple(pat for group in args.skip for pat in group)
+    kw = dict(
+        group_size=args.group_size,
+        rotation_block=args.rotation_block,
+        sign_seed=args.sign_seed,
+        skip=skip,
+        formats=formats,
+        dtype=args.dtype,
+    )
+    if args.bits is not None and (not math.isfinite(args.bits) or args.bits <= 0):
+        raise CliError(f"--bits {args.bits:g} must be a positive number")
+    if args.p is not None and args.n is not None:
+        if args.bits is not None:
+            return HiggsConfig.from_bits(args.bits, p=args.p, n=args.n, **kw)
+        return HiggsConfig(p=args.p, n=args.n, **kw)
+    if args.n is not None:  # --n alone: the default grid dimension
+        return (
+            HiggsConfig(p=2, n=args.n, **kw)
+            if args.bits is None
+            else HiggsConfig.from_bits(args.bits, p=2, n=args.n, **kw)
+        )
+    return HiggsConfig.from_bits(4.0 if args.bits is None else args.bits, p=args.p, **kw)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    cfg = _engine_config(args)  # validate before importing torch
+    from higgs_engine.pipeline import quantize_checkpoint
+
+    _quiet_libraries()
+    bars = _Bars(args.quiet)
+    dyn = _dynamic_hooks()
+    try:
+        # A dynamic target (per-layer allocation) is handled by the dynamic hooks; they return
+        # None when the command asks for plain uniform HIGGS.
+        rep = dyn.dynamic_quantize(args, cfg, bars) if dyn is not None else None
+        if rep is None:
+            rep = quantize_checkpoint(
+                args.source,
+                Path(args.out),
+                cfg,
+                bars,
+                revision=args.revision,
+                token=args.token,
+                overwrite=args.overwrite,
+            )
+    finally:
+        bars.close()
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
+        return 0
+    grids: dict[str, int] = {}
+    for r in rep.layers:
+        if r.p:
+            grids[f"p={r.p} n={r.n}"] = grids.get(f"p={r.p} n={r.n}", 0) + 1
+    quantized = sum(grids.values())
+    kept = len(rep.layers) - quantized
+    if len(grids) == 1:
+        how = f"HIGGS {next(iter(grids))} ({cfg.code_bits:g} code bits)" if quantized else "HIGGS"
+    else:
+        how = "HIGGS grids " + ", ".join(f"{g} x{c}" for g, c in sorted(grids.items()))
+    lines = [
+        f"quantized {quantized} layers of {rep.source.get('architecture')} with {how}"
+        + (f"; {kept} kept in 16 bits" if kept else ""),
+        f"bits per weight {rep.bits_per_weight:.4f} (linear layers, scales and grids included), "
+        f"{rep.bits_per_param_total:.3f} over all parameters",
+        f"size {rep.bytes_before / 1e6:.2f} MB -> {rep.bytes_after / 1e6:.2f} MB, "
+        f"in {rep.timings.get('total', 0.0):.1f} s",
+        f"wrote {', '.join(str(Path(args.out) / f) for f in rep.formats)} and "
+        f"{Path(args.out) / 'report.json'}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available on this machine")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise CliError(f"--device {name!r} must be cpu, cuda, cuda:N or auto")
+    return name
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from higgs_engine.evaluate import read_text
+
+    if args.context < 2:
+        raise CliError(f"--context {args.context} must be at least 2")
+    if args.windows < 1:
+        raise CliError(f"--windows {args.windows} must be at least 1")
+    text = read_text(Path(args.text))
+
+    import torch
+
+    from higgs_engine.artifacts import load_model
+    from higgs_engine.evaluate import evaluate_windows, text_windows, tokenize
+
+    _quiet_libraries()
+    device = _device(args.device)
+    # float32 on CPU: half precision matmuls there are slow and less accurate.
+    dtype = torch.float32 if device == "cpu" else None
+    model, tok = load_model(args.model, device=device, dtype=dtype)
+    base = None
+    if args.base is not None:
+        base, base_tok = load_model(args.base, device=device, dtype=dtype)
+        tok = tok if tok is not None else base_tok
+    if tok is None:
+        raise CliError(f"{args.model!r} has no tokenizer files; give --base with a tokenizer")
+    windows = text_windows(tokenize(tok, text), args.context, args.windows)
+    bars = _Bars(args.quiet)
+    try:
+        res = evaluate_windows(model, windows, base, bars)
+    finally:
+        bars.close()
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        kl = f", KL from base {res.kl:.5f}" if res.kl is not None else ""
+        print(
+            f"perplexity {res.ppl:.4f}{kl} over {res.tokens} tokens ({windows.shape[0]} windows of {args.context})"
+        )
+    return 0

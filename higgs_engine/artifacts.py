@@ -1,0 +1,461 @@
+"""Artifacts: writing the `native` and `dequantized` checkpoints, and loading any model.
+
+native/
+  model.safetensors   per quantized layer `<module>.higgs.<tensor>` (packed codes, fp16 scales,
+                      ... as QuantizedMatrix.to_tensors() names them), one `higgs.grid.p<P>.n<N>`
+                      float32 (n, p) tensor per grid used, every other tensor (norms, embeddings,
+                      head, biases, layers kept unquantized) under its own name in 16 bits
+  config.json         the source config + "quantization_config": {"quant_method": "higgs", ...}
+  tokenizer files     copied from the source
+dequantized/
+  model.safetensors   an ordinary 16-bit checkpoint of the quantized weights (stock transformers)
+  config.json, tokenizer files
+
+Both safetensors files are written by a streaming writer (one tensor in memory at a time) with
+tensors ordered by name, so the same content always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from higgs_engine.checkpoint import (
+    LayerSpec,
+    build_meta_model,
+    load_config,
+    model_class,
+    resolve_source,
+    tokenizer_files,
+)
+from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.safetensors_stream import StreamingSafetensorsWriter
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from higgs_engine.quantize import QuantizedMatrix
+
+QUANT_METHOD = "higgs"
+FORMAT_VERSION = 1
+WEIGHTS_NAME = "model.safetensors"
+_ST_METADATA = {"format": "pt"}
+
+
+def grid_key(p: int, n: int) -> str:
+    return f"higgs.grid.p{p}.n{n}"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in table:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in an artifact config")
+    return table[name]
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f"no config.json in {str(path)!r}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{str(path / 'config.json')!r} is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{str(path / 'config.json')!r} is not a JSON object")
+    return raw
+
+
+def _with_dtype(raw: dict[str, Any], dtype: str) -> dict[str, Any]:
+    out = {k: v for k, v in raw.items() if k != "quantization_config"}
+    out["dtype"] = dtype
+    if "torch_dtype" in out:
+        out["torch_dtype"] = dtype
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    spec: LayerSpec
+    meta: dict[str, Any]
+
+
+@dataclass
+class ArtifactWriter:
+    """Streams a quantized checkpoint into `root/native` and/or `root/dequantized`.
+
+    Call `add_plain` for every tensor that is not quantized (cast to `dtype` when floating),
+    `add_quantized` for every quantized layer, then `finish()` (or `abort()`).
+    """
+
+    root: Path
+    formats: Sequence[str]
+    dtype: str
+    source_dir: Path
+    engine_config: dict[str, Any]
+    native_bytes: int = 0  # tensor bytes of the native artifact, whether or not it is written
+    _writers: dict[str, StreamingSafetensorsWriter] = field(default_factory=dict)
+    _layers: dict[str, _Entry] = field(default_factory=dict)
+    _grids: dict[tuple[int, int], int] = field(default_factory=dict)  # (p, n) -> bytes
+    _kept: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for fmt in self.formats:
+            (self.root / fmt).mkdir(parents=True, exist_ok=False)
+            self._writers[fmt] = StreamingSafetensorsWriter(
+                self.root / fmt / WEIGHTS_NAME, _ST_METADATA
+            )
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch_dtype(self.dtype)) if t.is_floating_point() else t
+
+    def add_plain(self, key: str, tensor: torch.Tensor) -> int:
+        """Write a non-quantized tensor to every format; returns its bytes in the artifact."""
+        t = self._cast(tensor)
+        for w in self._writers.values():
+            w.add(key, t)
+        nbytes = t.numel() * t.element_size()
+        self.native_bytes += nbytes
+        return nbytes
+
+    def keep_layer(self, name: str) -> None:
+        """Record that linear layer `name` stays 16-bit (its weight goes through add_plain)."""
+        self._kept.append(name)
+
+    def add_quantized(self, spec: LayerSpec, q: QuantizedMatrix, w_hat: torch.Tensor) -> int:
+        """Write one quantized layer: codes etc. to native, W_hat (out, in) to dequantized.
+
+        Returns the layer's bytes in the native artifact (its grid is counted once, apart).
+        """
+        import torch
+
+        from higgs_engine.grids import get_grid
+
+        tensors = q.to_tensors()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if "native" in self._writers:
+            for tname, t in tensors.items():
+                self._writers["native"].add(f"{spec.name}.higgs.{tname}", t)
+        gk = (int(q.p), int(q.n))
+        if gk not in self._grids:
+            grid = get_grid(*gk).to(torch.float32).contiguous()
+            self._grids[gk] = grid.numel() * grid.element_size()
+            if "native" in self._writers:
+                self._writers["native"].add(grid_key(*gk), grid)
+            self.native_bytes += self._grids[gk]
+        if "dequantized" in self._writers:
+            w = w_hat.t() if spec.transposed else w_hat  # Conv1D stores (in, out)
+            self._writers["dequantized"].add(spec.key, self._cast(w.contiguous()))
+        self._layers[spec.name] = _Entry(spec, q.meta())
+        self.native_bytes += nbytes
+        return nbytes
+
+    @property
+    def grid_bytes(self) -> int:
+        return sum(self._grids.values())
+
+    def quantization_config(self) -> dict[str, Any]:
+        return {
+            "quant_method": QUANT_METHOD,
+            "format_version": FORMAT_VERSION,
+            "dtype": self.dtype,
+            "engine_config": self.engine_config,
+            "grids": {f"p{p}n{n}": grid_key(p, n) for (p, n) in sorted(self._grids)},
+            "layers": {
+                name: {
+                    **e.meta,
+                    "weight_key": e.spec.key,
+                    "bias_key": e.spec.bias_key,
+                    "transposed": e.spec.transposed,
+                }
+                for name, e in self._layers.items()
+            },
+            "modules_to_not_convert": sorted(self._kept),
+        }
+
+    def finish(self) -> dict[str, dict[str, int]]:
+        """Close the weight files and write configs + tokenizer files. Returns file sizes."""
+        raw = _raw_config(self.source_dir)
+        for fmt, w in self._writers.items():
+            w.close()
+            cfg = _with_dtype(raw, self.dtype)
+            if fmt == "native":
+                cfg["quantization_config"] = self.quantization_config()
+            _write_json(self.root / fmt / "config.json", cfg)
+            for f in tokenizer_files(self.source_dir):
+                shutil.copy2(f, self.root / fmt / f.name)
+        return {
+            fmt: {p.name: p.stat().st_size for p in sorted((self.root / fmt).iterdir())}
+            for fmt in self._writers
+        }
+
+    def abort(self) -> None:
+        for w in self._writers.values():
+            with contextlib.suppress(OSError):
+                w.abort()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def artifact_kind(path: Path) -> str | None:
+    """ "native" for a HIGGS native artifact, "plain" for any other HF checkpoint dir, else None."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return None
+    raw = _raw_config(path)
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD and "layers" in qc:
+        return "native"
+    return "plain"
+
+
+def find_model_dir(path: Path) -> tuple[Path, str]:
+    """(directory, kind) for a model dir, an artifact, or a `quantize` output dir.
+
+    An output dir holding both artifacts resolves to `native`, the real quantized model.
+    """
+    kind = artifact_kind(path)
+    if kind is not None:
+        return path, kind
+    for sub in ("native", "dequantized"):
+        kind = artifact_kind(path / sub)
+        if kind is not None:
+            return path / sub, kind
+    raise ModelNotFoundError(
+        f"{str(path)!r} is not a checkpoint, an artifact, or a quantize output directory"
+    )
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    cache_dir: Path | None = None,
+) -> tuple[nn.Module, Any]:
+    """Load a plain checkpoint, a native or a dequantized artifact: (model in eval mode, tokenizer
+    or None). Native artifacts come back with HiggsLinear layers that compute from the codes.
+
+    `dtype` defaults to the checkpoint's own; quantized tensors always keep theirs.
+    """
+    p = Path(str(path)).expanduser()
+    if p.is_dir():
+        model_dir, kind = find_model_dir(p)
+    else:
+        # a Hub id or a .gguf file: resolve (and convert) like the quantizer does
+        model_dir, kind = resolve_source(str(path), cache_dir=cache_dir).path, "plain"
+    if kind == "native":
+        model = load_native(model_dir, dtype=dtype)
+    else:
+        model = _load_plain(model_dir, dtype)
+    model.to(device)
+    model.eval()
+    return model, _load_tokenizer(model_dir)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not tokenizer_files(path) or not any(
+        f.name.startswith(("tokenizer", "vocab")) for f in tokenizer_files(path)
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from exc
+
+
+def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
+    config = load_config(path)
+    cls = model_class(config)
+    try:
+        model = cls.from_pretrained(str(path), dtype=dtype if dtype is not None else "auto")  # type: ignore[attr-defined]
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"cannot load the checkpoint in {str(path)!r}: {exc}") from exc
+    return model  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device but buffers for real.
+
+    Non-persistent buffers (rotary inv_freq, causal masks) are computed in __init__ and never
+    stored in a checkpoint, so they must be real; parameters are filled from the artifact.
+    """
+    from torch import nn
+
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            if p is not None:
+                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
+    """Map a stored tensor name to the model's (checkpoints may omit the base-model prefix)."""
+    if key in model_keys or not prefix:
+        return key
+    if f"{prefix}.{key}" in model_keys:
+        return f"{prefix}.{key}"
+    if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in model_keys:
+        return key[len(prefix) + 1 :]
+    return key
+
+
+def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the model of a native artifact with HiggsLinear layers (on CPU)."""
+    from safetensors import SafetensorError, safe_open
+
+    from higgs_engine.modules import HiggsLinear
+    from higgs_engine.quantize import QuantizedMatrix
+
+    raw = _raw_config(path)
+    qc = raw.get("quantization_config") or {}
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise CorruptCheckpointError(f"{str(path)!r} is not a HIGGS native artifact")
+    if qc.get("format_version") != FORMAT_VERSION:
+        raise UnsupportedModelError(
+            f"native artifact format_version {qc.get('format_version')!r} is not {FORMAT_VERSION}"
+        )
+    store_dtype = torch_dtype(str(qc.get("dtype", "float16")))
+    config = load_config(path)
+    build_meta_model(config)  # fail with a clear error if transformers cannot build it
+    with _params_on_meta():
+        model = model_class(config)._from_config(config, dtype=dtype or store_dtype)  # type: ignore[attr-defined]
+
+    wfile = path / WEIGHTS_NAME
+    try:
+        handle = safe_open(str(wfile), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CorruptCheckpointError(f"cannot read {str(wfile)!r}: {exc}") from exc
+    keys = set(handle.keys())
+    used: set[str] = set()
+    layers: dict[str, dict[str, Any]] = qc["layers"]
+    grids: dict[str, torch.Tensor] = {}
+    try:
+        for gname in qc.get("grids", {}).values():
+            grids[gname] = handle.get_tensor(gname)
+            used.add(gname)
+        for name, meta in layers.items():
+            prefix = f"{name}.higgs."
+            tkeys = sorted(k for k in keys if k.startswith(prefix))
+            if not tkeys:
+                raise CorruptCheckpointError(f"native artifact has no tensors for layer {name!r}")
+            tensors = {k[len(prefix) :]: handle.get_tensor(k) for k in tkeys}
+            used.update(tkeys)
+            qmeta = {
+                k: v for k, v in meta.items() if k not in ("weight_key", "bias_key", "transposed")
+            }
+            q = QuantizedMatrix.from_tensors(tensors, qmeta)
+            grid = grids.get(grid_key(q.p, q.n))
+            if grid is None:
+                raise CorruptCheckpointError(f"native artifact lacks the grid p={q.p} n={q.n}")
+            bias = None
+            if meta.get("bias_key"):
+                bias = handle.get_tensor(meta["bias_key"]).to(dtype or store_dtype)
+                used.add(meta["bias_key"])
+            _set_module(model, name, HiggsLinear(q, bias, grid))
+        model_sd_keys = set(model.state_dict().keys())
+        prefix = str(getattr(model, "base_model_prefix", "") or "")
+        plain: dict[str, torch.Tensor] = {}
+        plain_keys: list[tuple[str, str]] = []
+        for k in sorted(keys - used):
+            mk = _model_key(k, model_sd_keys, prefix)
+            t = handle.get_tensor(k)
+            plain[mk] = t.to(dtype or store_dtype) if t.is_floating_point() else t
+            plain_keys.append((k, mk))
+    except (SafetensorError, KeyError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"cannot read native artifact {str(wfile)!r}: {exc}") from exc
+    result = model.load_state_dict(plain, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise CorruptCheckpointError(
+            f"native artifact has tensors the model does not: {sorted(result.unexpected_keys)[:5]}"
+        )
+    # Tied heads are stored once (as the embedding); re-tie after assigning real tensors.
+    model.tie_weights()
+    still_meta = [n for n, t in model.named_parameters() if t.is_meta]
+    if still_meta:
+        raise CorruptCheckpointError(f"native artifact lacks tensors for {still_meta[:5]}")
+    # Kept so that save_native can write the same artifact back.
+    model.higgs_artifact = {
+        "config": raw,
+        "plain_keys": plain_keys,
+        "grids": grids,
+        "dir": str(path),
+    }
+    return model  # type: ignore[no-any-return]
+
+
+def save_native(model: nn.Module, out_dir: Path) -> Path:
+    """Write a model loaded by `load_native` back as a native artifact (same bytes)."""
+
+    from higgs_engine.modules import HiggsLinear
+
+    info = getattr(model, "higgs_artifact", None)
+    if info is None:
+        raise UnsupportedModelError("save_native needs a model loaded from a native artifact")
+    raw = info["config"]
+    qc = raw["quantization_config"]
+    store = torch_dtype(str(qc.get("dtype", "float16")))
+    out_dir.mkdir(parents=True, exist_ok=False)
+    writer = StreamingSafetensorsWriter(out_dir / WEIGHTS_NAME, _ST_METADATA)
+    try:
+        sd = model.state_dict()
+        for file_key, model_key in info["plain_keys"]:
+            t = sd[model_key]
+            writer.add(file_key, t.to(store) if t.is_floating_point() else t)
+        for gname, g in info["grids"].items():
+            writer.add(gname, g)
+        for name, mod in model.named_modules():
+            if isinstance(mod, HiggsLinear):
+                for tname, t in mod.quantized.to_tensors().items():
+                    writer.add(f"{name}.higgs.{tname}", t)
+                bias_key = qc["layers"][name].get("bias_key")
+                if bias_key and mod.bias is not None:
+                    writer.add(bias_key, mod.bias.detach().to(store))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    _write_json(out_dir / "config.json", raw)
+    src = Path(info["dir"])
+    for f in tokenizer_files(src):
+        shutil.copy2(f, out_dir / f.name)
+    return out_dir

@@ -1,0 +1,363 @@
+"""quantize_checkpoint: the one entry point the CLI and the service call.
+
+Streaming: tensors are read one at a time from the source safetensors, quantized (or cast to
+16 bits) and appended to the output files, so peak memory is bounded by the largest tensor
+(plus its quantization temporaries), not by the model.
+
+Atomic output: everything is written into a temporary sibling of `out_dir` and renamed at the
+end; on any error or cancellation the temporary directory is removed and `out_dir` is left as
+it was (absent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from higgs_engine.checkpoint import (
+    CheckpointReader,
+    LayerSpec,
+    is_skipped,
+    layer_specs,
+    load_config,
+    resolve_source,
+)
+from higgs_engine.config import HiggsConfig
+from higgs_engine.errors import HiggsError, InvalidConfigError
+from higgs_engine.progress import ProgressCallback, report
+from higgs_engine.report import LayerReport, Report
+
+if TYPE_CHECKING:
+    import torch
+
+    from higgs_engine.quantize import QuantizedMatrix
+
+
+class OutputExistsError(HiggsError, FileExistsError):
+    """The output directory already exists and overwriting was not asked for."""
+
+    code = "output_exists"
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_layer_full(
+    w: torch.Tensor, p: int, n: int, config: HiggsConfig
+) -> tuple[QuantizedMatrix, torch.Tensor, float]:
+    """Quantize one (out, in) float32 weight with grid (p, n): (q, W_hat float32, t^2)."""
+    from higgs_engine.quantize import dequantize_matrix, quantize_matrix, relative_error
+
+    q = quantize_matrix(
+        w,
+        p,
+        n,
+        group_size=config.group_size,
+        rotation_block=config.rotation_block,
+        sign_seed=config.sign_seed,
+    )
+    w_hat = dequantize_matrix(q)
+    return q, w_hat, float(relative_error(w, w_hat))
+
+
+def quantize_layer(
+    w: torch.Tensor, p: int, n: int, config: HiggsConfig
+) -> tuple[QuantizedMatrix, float]:
+    """Quantize one (out, in) weight with grid (p, n) under `config`: (q, relative error t^2)."""
+    q, _, err = quantize_layer_full(w, p, n, config)
+    return q, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: which layer gets which grid
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    spec: LayerSpec
+    grid: tuple[int, int] | None  # (p, n), or None = keep 16-bit
+    reason: str | None  # why a layer stays 16-bit
+
+
+def plan_layers(specs: list[LayerSpec], config: HiggsConfig) -> list[LayerPlan]:
+    """Apply skip patterns, per-layer overrides and shape constraints to every candidate layer."""
+    names = {s.name for s in specs}
+    unknown = [o.name for o in config.overrides if o.name not in names]
+    if unknown:
+        raise InvalidConfigError(f"overrides name layers the model does not have: {unknown[:5]}")
+    plans = []
+    for s in specs:
+        if is_skipped(s.name, config.skip):
+            plans.append(LayerPlan(s, None, "skip pattern"))
+            continue
+        grid = config.grid_for(s.name)
+        if grid is None:
+            plans.append(LayerPlan(s, None, "override keeps 16 bits"))
+        elif s.in_features % grid[0]:
+            plans.append(
+                LayerPlan(s, None, f"in_features={s.in_features} is not divisible by p={grid[0]}")
+            )
+        else:
+            plans.append(LayerPlan(s, grid, None))
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.is_file() or out_dir.is_symlink():
+        raise OutputExistsError(f"output path {str(out_dir)!r} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(
+            f"output directory {str(out_dir)!r} already exists and is not empty; "
+            "choose a new one or ask to overwrite it"
+        )
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished tmp dir to out_dir, replacing an existing one only at the last step."""
+    trash = None
+    if out_dir.exists():
+        trash = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        out_dir.rename(trash)
+    try:
+        tmp.rename(out_dir)
+    except BaseException:
+        if trash is not None:
+            trash.rename(out_dir)
+        raise
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _mkdir_parents(path: Path) -> list[Path]:
+    """Create missing parents of `path`; return those created (to remove on failure)."""
+    created = []
+    for parent in reversed(path.parents):
+        if not parent.exists():
+            parent.mkdir()
+            created.append(parent)
+    return created
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import safetensors
+    import torch
+    import transformers
+
+    import higgs_engine
+
+    return {
+        "higgs_engine": higgs_engine.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def quantize_checkpoint(
+    source: str | Path,
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    overwrite: bool = False,
+    cache_dir: Path | None = None,
+    hub_cache_dir: Path | None = None,
+    local_files_only: bool = False,
+) -> Report:
+    """Quantize `source` (local dir, .gguf file or Hub id) into `out_dir` and return the Report.
+
+    Writes out_dir/native/, out_dir/dequantized/ (as config.formats says) and out_dir/report.json.
+    progress(stage, done, total) is called for stages resolving, loading, quantizing (done/total =
+    layers) and packaging; returning False or raising CancelledError cancels the run at the next
+    layer boundary. On any error nothing is left at `out_dir`. An existing non-empty `out_dir`
+    is refused unless `overwrite`, in which case it is replaced only once the new one is ready.
+    """
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_out_dir(out_dir, overwrite)
+    created = _mkdir_parents(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        rep = _run(
+            source,
+            out_dir,
+            tmp,
+            config,
+            progress,
+            revision,
+            token,
+            cache_dir,
+            hub_cache_dir,
+            local_files_only,
+        )
+        _publish(tmp, out_dir)
+        return rep
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _run(
+    source: str | Path,
+    out_dir: Path,
+    tmp: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None,
+    revision: str | None,
+    token: str | None,
+    cache_dir: Path | None,
+    hub_cache_dir: Path | None,
+    local_files_only: bool,
+) -> Report:
+    from higgs_engine.artifacts import ArtifactWriter
+
+    timings: dict[str, float] = {}
+    t_start = t0 = time.perf_counter()
+
+    report(progress, "resolving", 0, 1)
+    src = resolve_source(
+        source,
+        revision,
+        token,
+        cache_dir=cache_dir,
+        hub_cache_dir=hub_cache_dir,
+        local_files_only=local_files_only,
+    )
+    report(progress, "resolving", 1, 1)
+    timings["resolving"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    report(progress, "loading", 0, 1)
+    hf_config = load_config(src.path)
+    with CheckpointReader(src.path) as reader:
+        specs = layer_specs(hf_config, reader.keys())
+        plans = plan_layers(specs, config)
+        by_key = {pl.spec.key: pl for pl in plans}
+        report(progress, "loading", 1, 1)
+        timings["loading"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        todo = [pl for pl in plans if pl.grid is not None]
+        total = len(todo)
+        report(progress, "quantizing", 0, total)
+        tmp.mkdir()
+        writer = ArtifactWriter(tmp, config.formats, config.dtype, src.path, config.to_dict())
+        rows: dict[str, LayerReport] = {}
+        done = 0
+        try:
+            for key in reader:
+                pl = by_key.get(key)
+                if pl is None or pl.grid is None:
+                    nbytes = writer.add_plain(key, reader.get(key))
+                    if pl is not None:
+                        writer.keep_layer(pl.spec.name)
+                        s = pl.spec
+                        rows[s.name] = LayerReport(
+                            name=s.name,
+                            shape=[s.out_features, s.in_features],
+                            p=0,
+                            n=0,
+                            bits=8.0 * nbytes / s.numel,
+                            rel_error=0.0,
+                            bytes=nbytes,
+                        )
+                    continue
+                p, n = pl.grid
+                w = pl.spec.weight(reader)  # (out, in) float32
+                q, w_hat, err = quantize_layer_full(w, p, n, config)
+                del w
+                nbytes = writer.add_quantized(pl.spec, q, w_hat)
+                del w_hat
+                rows[pl.spec.name] = LayerReport(
+                    name=pl.spec.name,
+                    shape=[pl.spec.out_features, pl.spec.in_features],
+                    p=p,
+                    n=n,
+                    bits=float(q.bits_per_weight()),
+                    rel_error=err,
+                    bytes=nbytes,
+                )
+                done += 1
+                # Between layers: the callback may cancel (False / CancelledError).
+                report(progress, "quantizing", done, total)
+            timings["quantizing"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            report(progress, "packaging", 0, 1)
+            files = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        bytes_before = reader.total_bytes
+        params_total = sum(reader.numel(k) for k in reader)
+    timings["packaging"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_start
+
+    layers = [rows[s.name] for s in specs]
+    lin_numel = sum(s.numel for s in specs)
+    lin_bytes = sum(r.bytes for r in layers) + writer.grid_bytes
+    quantized = [r for r in layers if r.p]
+    q_numel = sum(r.shape[0] * r.shape[1] for r in quantized)
+    metrics = {
+        "linear_layers": len(layers),
+        "quantized_layers": len(quantized),
+        "kept_16bit": {pl.spec.name: pl.reason for pl in plans if pl.grid is None},
+        "grid_bytes": writer.grid_bytes,
+        "code_bits": config.code_bits,
+        "mean_rel_error": (
+            sum(r.rel_error * r.shape[0] * r.shape[1] for r in quantized) / q_numel
+            if q_numel
+            else 0.0
+        ),
+        "files": files,
+    }
+    rep = Report(
+        bits_per_weight=8.0 * lin_bytes / lin_numel,
+        bits_per_param_total=8.0 * writer.native_bytes / params_total,
+        bytes_before=bytes_before,
+        bytes_after=writer.native_bytes,
+        params_total=params_total,
+        params_quantized=q_numel,
+        layers=layers,
+        timings=timings,
+        config=config.to_dict(),
+        source={
+            "id": str(source),
+            "revision": src.revision,
+            "kind": src.kind,
+            "architecture": (getattr(hf_config, "architectures", None) or [None])[0],
+            "model_type": hf_config.model_type,
+        },
+        versions=versions(),
+        seed=config.seed,
+        formats=list(config.formats),
+        metrics=metrics,
+    )
+    rep.save(tmp / "report.json")
+    report(progress, "packaging", 1, 1)
+    return rep
