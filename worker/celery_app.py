@@ -1,0 +1,185 @@
+"""The Celery application of the worker, built from the service Settings.
+
+    celery -A worker.celery_app worker -Q higgs,higgs.gpu --concurrency 1
+
+- Late acknowledgement + reject on worker loss: a job whose worker dies is redelivered (on
+  Redis after the visibility timeout; sooner through the heartbeat sweep); the runner's
+  compare-and-set claim makes a duplicate delivery a no-op.
+- Prefetch 1: a worker holds at most the job it runs.
+- Soft/hard time limits from the settings (the soft one fails the job with "time_limit").
+- Queues "higgs" (every worker) and "higgs.gpu" (workers with a GPU consume it as well).
+- The sweep runs in a thread of each worker's main process every settings.sweep_interval_s
+  (HIGGS_SWEEP_INTERVAL_S); `celery -A worker.celery_app call higgs.sweep` runs one by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from typing import Any
+
+from celery import Celery, signals
+from kombu import Queue
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db.session import create_db_engine, session_factory
+from app.settings import DEFAULT_QUEUE, GPU_QUEUE, TASK_NAME, Settings, get_settings
+
+log = logging.getLogger("worker")
+
+SWEEP_TASK = "higgs.sweep"
+
+
+def broker_options(settings: Settings) -> dict[str, Any]:
+    opts = dict(settings.broker_transport_options())
+    if settings.is_filesystem_broker:
+        # The filesystem transport polls its folder: a short interval keeps submit -> start
+        # well under a second for the price of a listdir.
+        opts.setdefault("polling_interval", 0.25)
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        # An unacknowledged job comes back after this long. Longer than the hard time limit,
+        # so a live job is never delivered twice; a dead worker's job is re-queued much
+        # sooner by the heartbeat sweep anyway.
+        opts.setdefault("visibility_timeout", settings.job_time_limit_s + 600)
+    return opts
+
+
+def make_celery(settings: Settings) -> Celery:
+    if settings.is_filesystem_broker:
+        settings.ensure_dirs()
+    app = Celery("higgs", broker=settings.broker_url, include=["worker.tasks"])
+    app.conf.update(
+        broker_transport_options=broker_options(settings),
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        accept_content=["json"],
+        # Nothing reads task results: the job row is the source of truth.
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.worker_concurrency,
+        task_soft_time_limit=settings.job_soft_time_limit_s,
+        task_time_limit=settings.job_time_limit_s,
+        task_default_queue=settings.task_queue,
+        task_queues=(Queue(DEFAULT_QUEUE), Queue(GPU_QUEUE)),
+        task_routes={SWEEP_TASK: {"queue": settings.task_queue}},
+        worker_hijack_root_logger=False,
+        # The server-less filesystem transport has no fan-out for remote control.
+        worker_enable_remote_control=not settings.is_filesystem_broker,
+        worker_send_task_events=False,
+        # A job holds a whole model in memory: give each job a fresh process.
+        worker_max_tasks_per_child=1,
+    )
+    app.conf.higgs_settings = settings
+    return app
+
+
+# ---------------------------------------------------------------- per-process resources
+
+
+_SESSIONS: dict[tuple[str, int], sessionmaker[Session]] = {}
+
+
+def sessions_for(settings: Settings) -> sessionmaker[Session]:
+    """This process's session factory (keyed by pid: a forked pool process must never use
+    its parent's pooled connections)."""
+    key = (settings.database_url, os.getpid())
+    if key not in _SESSIONS:
+        _SESSIONS[key] = session_factory(create_db_engine(settings.database_url))
+    return _SESSIONS[key]
+
+
+def forget_parent_connections() -> None:
+    """In a forked child: drop the parent's pools without closing the parent's sockets."""
+    for key, sessions in list(_SESSIONS.items()):
+        if key[1] != os.getpid():
+            engine = sessions.kw.get("bind")
+            if engine is not None:
+                engine.dispose(close=False)
+            del _SESSIONS[key]
+
+
+@lru_cache(maxsize=1)
+def detect_device() -> str:
+    """"cuda" when a GPU is usable, else "cpu" (logged once per process)."""
+    try:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        detail = torch.cuda.get_device_name(0) if device == "cuda" else f"{os.cpu_count()} CPUs"
+    except Exception as e:  # torch missing or broken CUDA: run on the CPU and say why
+        device, detail = "cpu", f"CUDA check failed: {e}"
+    log.info("higgs worker device: %s (%s)", device, detail)
+    return device
+
+
+def enqueue(settings: Settings, job_id: str) -> bool:
+    """Send higgs.run_job(job_id) (the same light client the API uses)."""
+    from app.queue import enqueue_job
+
+    return enqueue_job(settings, job_id)
+
+
+def sweep_once(settings: Settings) -> dict[str, list[str]]:
+    from worker.sweep import sweep
+
+    return sweep(sessions_for(settings), settings, lambda job_id: enqueue(settings, job_id)).as_dict()
+
+
+# ---------------------------------------------------------------- the app
+
+app = make_celery(get_settings())
+_sweeper: Any = None
+
+
+@signals.worker_ready.connect
+def _start_sweep(sender: Any = None, **_: Any) -> None:
+    global _sweeper
+    from worker.sweep import SweepThread
+
+    settings: Settings = app.conf.higgs_settings
+    _sweeper = SweepThread(lambda: sweep_once(settings), settings.sweep_interval_s)
+    _sweeper.start()
+    log.info(
+        "higgs worker ready: broker %s, database %s, artifacts %s, sweep every %gs",
+        settings.broker_url.split("@")[-1],
+        settings.database_url.split("@")[-1],
+        settings.artifacts_path,
+        settings.sweep_interval_s,
+    )
+
+
+def preload_engine() -> None:
+    """Import torch, transformers' model code and the engine (~seconds to tens of seconds)."""
+    try:
+        import transformers.modeling_utils  # noqa: F401
+
+        import higgs_engine.pipeline  # noqa: F401
+    except Exception as e:  # the job itself will report a clear error
+        log.warning("could not preload the engine: %s", e)
+
+
+@signals.worker_init.connect
+def _preload_in_main_process(**_: Any) -> None:
+    # Import the heavy modules once, before the pool forks: with max_tasks_per_child=1 every
+    # job gets a fresh process, and this way it starts in milliseconds. Importing torch does
+    # not initialise CUDA, so forking afterwards is safe; CUDA is touched only in the pool
+    # processes (detect_device below).
+    preload_engine()
+
+
+@signals.worker_process_init.connect
+def _pool_process_init(**_: Any) -> None:
+    forget_parent_connections()
+    detect_device()
+
+
+@signals.worker_shutdown.connect
+def _stop_sweep(sender: Any = None, **_: Any) -> None:
+    if _sweeper is not None:
+        _sweeper.stop()
+
+
+__all__ = ["TASK_NAME", "SWEEP_TASK", "app", "make_celery", "sessions_for", "detect_device"]

@@ -1,0 +1,96 @@
+"""Model sources for jobs: a named local model under models_dir, or a Hub id (pinned revision).
+
+The worker never hands a raw, user-supplied model id to code that treats existing paths as
+local directories (the engine's resolve_source does): a local name is looked up only under
+models_dir, and anything else must be a well-formed Hub id and goes through huggingface_hub
+(its cache, offline mode and token).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from higgs_engine.errors import ModelNotFoundError, UnsupportedModelError
+
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+# Files a quantization needs; never the *.bin / *.pt duplicates some repos carry as well.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # local directory with config.json + *.safetensors
+    id: str  # the model id as the job names it
+    kind: str  # "local" or "hub"
+    revision: str | None  # the Hub commit sha actually read; None for local models
+
+
+def resolve_model(
+    model_id: str,
+    revision: str | None,
+    *,
+    models_dir: Path | None,
+    token: str | None,
+    offline: bool,
+) -> ModelSource:
+    """Where the job's model lives on this machine, downloading Hub files into the HF cache.
+
+    The reference is checked by the same rules as at submit (app.jobs.model_ref): a plain name
+    is a directory under models_dir when that is set (no separators, no '..'); anything else
+    is a Hub id. `revision` may be a branch, tag or sha; the snapshot's commit sha is returned
+    so that a retry of the same job reads exactly the same files.
+    """
+    from app.jobs.model_ref import ModelRefError
+    from app.jobs.model_ref import resolve_model as check_ref
+
+    try:
+        ref = check_ref(model_id, revision, models_dir)
+    except ModelRefError as exc:
+        raise ModelNotFoundError(str(exc)) from exc
+    if ref.kind == "local" and ref.path is not None:
+        if not (ref.path / "config.json").is_file():
+            raise UnsupportedModelError(f"local model {model_id!r} ({ref.path}) has no config.json")
+        return ModelSource(path=ref.path, id=model_id, kind="local", revision=None)
+    return _resolve_hub(model_id, revision, token=token, offline=offline)
+
+
+def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offline: bool) -> ModelSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        snap = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                token=token or None,
+                allow_patterns=HUB_PATTERNS,
+                local_files_only=offline,
+            )
+        )
+    except RevisionNotFoundError as exc:
+        raise ModelNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the Hub") from exc
+    except GatedRepoError as exc:
+        raise ModelNotFoundError(f"{repo_id!r} is gated; set HIGGS_HF_TOKEN to a token with access") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelNotFoundError(f"model {repo_id!r} is not a Hub repository (or it is private)") from exc
+    except LocalEntryNotFoundError as exc:
+        where = "offline mode is on" if offline else "the Hub cannot be reached"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} (revision {revision or 'main'!r}) is not in the Hugging Face cache "
+            f"and {where}"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hub: {exc}") from exc
+    # The cache keeps each snapshot under snapshots/<commit sha>/: that name is what was read.
+    sha = snap.name if _SHA.match(snap.name) else revision
+    if not (snap / "config.json").is_file() or not any(snap.glob("*.safetensors")):
+        raise UnsupportedModelError(f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint")
+    return ModelSource(path=snap, id=repo_id, kind="hub", revision=sha)

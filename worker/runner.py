@@ -1,0 +1,422 @@
+"""The runner: everything one job attempt does, from claim to published artifacts.
+
+    claim (compare-and-set queued -> running)
+      -> resolve the model (local name under models_dir, or Hub id pinned to a commit sha)
+      -> higgs_engine.pipeline.quantize_checkpoint, with a progress callback that writes
+         stage / progress / heartbeat and asks the engine to stop when cancel was requested
+      -> publish the artifacts atomically (rename) with a sha256 per file
+      -> app.jobs.state.succeed (report, layers, artifact rows in one transaction)
+
+Failures become a job error code (HiggsError.code for the engine's typed errors). A cancelled,
+failed or lost attempt leaves nothing under the published artifact directory.
+
+Directory layout under artifacts_dir:
+    .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
+    <job_id>/<attempt>.<hex>/<format>/   published attempt, referenced by the artifact rows
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.artifacts.manifest import artifact_row
+from app.db.models import CANCELLED, RUNNING, Job
+from app.jobs import state
+from app.settings import Settings
+from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
+from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
+
+log = logging.getLogger("worker.runner")
+
+STAGING = ".staging"
+# Engine error codes that are also job error codes, as they are (API.md "error.code").
+ENGINE_CODES = frozenset(
+    {
+        "invalid_config",
+        "model_not_found",
+        "unsupported_model",
+        "corrupt_checkpoint",
+        "infeasible_target",
+        "profile_not_found",
+    }
+)
+# Test-only knob: seconds to sleep after each quantized layer, so that tests can kill or
+# cancel a job in the middle. Never set it in production.
+DEBUG_LAYER_DELAY_ENV = "HIGGS_DEBUG_LAYER_DELAY_S"
+
+SessionFactory = sessionmaker[Session]
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner needs from the settings (read once per worker process)."""
+
+    artifacts_dir: Path
+    models_dir: Path | None
+    hf_token: str | None
+    hf_offline: bool
+    device: str
+    heartbeat_interval_s: float
+    progress_min_interval_s: float = 0.5
+    debug_layer_delay_s: float = 0.0
+    # Evaluation text for jobs with options.evaluate (HIGGS_EVAL_TEXT_FILE); None = refuse them.
+    eval_text_file: Path | None = None
+    eval_context: int = 512
+    eval_windows: int = 16
+
+    @classmethod
+    def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
+        delay = float(os.environ.get(DEBUG_LAYER_DELAY_ENV, "0") or 0)
+        text = getattr(settings, "eval_text_file", None) or os.environ.get(EVAL_TEXT_ENV) or None
+        return cls(
+            artifacts_dir=settings.artifacts_path,
+            models_dir=settings.models_dir,
+            hf_token=settings.hf_token,
+            hf_offline=settings.hf_offline,
+            device=device,
+            # Several beats per timeout, so one slow write never makes a live job look dead.
+            heartbeat_interval_s=max(0.2, min(15.0, settings.heartbeat_timeout_s / 4)),
+            debug_layer_delay_s=max(0.0, delay),
+            eval_text_file=Path(text).expanduser().resolve() if text else None,
+        )
+
+
+def job_error_code(exc: BaseException) -> str:
+    """The job's error code for an exception escaping the engine."""
+    if isinstance(exc, HiggsError):
+        return exc.code if exc.code in ENGINE_CODES else "engine_error"
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return "out_of_memory"
+    if type(exc).__name__ in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):
+        return "time_limit"
+    return "internal_error"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# ---------------------------------------------------------------- progress + heartbeat
+
+
+class ProgressWriter:
+    """The engine's progress callback: writes stage/done/total (and so the heartbeat) to the
+    job row, at most every `min_interval` seconds within a stage, and returns False once the
+    job should stop (cancel requested, or this worker no longer owns the job)."""
+
+    def __init__(
+        self,
+        sessions: SessionFactory,
+        job_id: str,
+        worker_id: str,
+        *,
+        min_interval: float = 0.5,
+        layer_delay: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.sessions = sessions
+        self.job_id = job_id
+        self.worker_id = worker_id
+        self.min_interval = min_interval
+        self.layer_delay = layer_delay
+        self.clock = clock
+        self.sleep = sleep
+        self.stop = threading.Event()
+        self.last: tuple[str, int, int] = ("", 0, 0)
+        self._last_write = -1e18
+        self._lock = threading.Lock()
+
+    def write(self, stage: str, done: int, total: int) -> bool:
+        with self._lock, self.sessions() as s:
+            go = state.record_progress(s, self.job_id, stage, done, total, worker_id=self.worker_id)
+        self._last_write = self.clock()
+        if not go:
+            self.stop.set()
+        return go
+
+    def __call__(self, stage: str, done: int, total: int) -> bool:
+        if self.stop.is_set():
+            return False
+        changed = stage != self.last[0]
+        self.last = (stage, done, total)
+        due = self.clock() - self._last_write >= self.min_interval
+        if (changed or due or done >= total) and not self.write(stage, done, total):
+            return False
+        if self.layer_delay and stage == "quantizing" and done > 0:
+            self.sleep(self.layer_delay)
+        return not self.stop.is_set()
+
+    def beat(self) -> None:
+        """A heartbeat between progress calls (long loads, long layers)."""
+        with self._lock, self.sessions() as s:
+            go = state.heartbeat(s, self.job_id, worker_id=self.worker_id)
+        if not go:
+            self.stop.set()
+
+
+@contextlib.contextmanager
+def heartbeating(writer: ProgressWriter, interval: float):  # type: ignore[no-untyped-def]
+    """Run writer.beat() every `interval` seconds in a daemon thread while the block runs."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(interval):
+            try:
+                writer.beat()
+            except Exception as e:  # a missed beat is not fatal; the next one may work
+                log.warning("heartbeat for job %s failed: %s", writer.job_id, e)
+
+    t = threading.Thread(target=loop, name=f"heartbeat-{writer.job_id}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join(timeout=5)
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+def staging_dir(artifacts_dir: Path, job_id: str, attempt: int) -> Path:
+    return artifacts_dir / STAGING / f"{job_id}.{attempt}.{uuid.uuid4().hex[:8]}"
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory: first renamed out of the way (atomic), then deleted."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.rename(trash)
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_stale_staging(artifacts_dir: Path, job_id: str) -> None:
+    """Leftovers of earlier attempts of this job (a killed worker cannot clean up after itself)."""
+    root = artifacts_dir / STAGING
+    if root.is_dir():
+        for p in root.glob(f"{job_id}.*"):
+            remove_tree(p)
+
+
+def publish(out_dir: Path, artifacts_dir: Path, job_id: str, attempt_name: str) -> Path:
+    """Move a finished engine output into artifacts_dir/<job_id>/<attempt_name> in one rename."""
+    job_dir = artifacts_dir / job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    final = job_dir / attempt_name
+    os.rename(out_dir, final)  # same filesystem: atomic
+    return final
+
+
+def prune_job_dir(artifacts_dir: Path, job_id: str, keep: Path | None) -> None:
+    """Remove every published attempt of the job except `keep` (and the job dir if empty)."""
+    job_dir = artifacts_dir / job_id
+    if not job_dir.is_dir():
+        return
+    for p in job_dir.iterdir():
+        if keep is None or p.resolve() != keep.resolve():
+            remove_tree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    if keep is None:
+        with contextlib.suppress(OSError):
+            job_dir.rmdir()
+
+
+def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
+    with contextlib.suppress(OSError):
+        (artifacts_dir / job_id).rmdir()
+
+
+def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
+    rows = [artifact_row(fmt, final / fmt) for fmt in formats if (final / fmt).is_dir()]
+    if not rows:
+        raise HiggsError(f"the engine wrote none of the requested formats {formats} under {final}")
+    return rows
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass
+class Outcome:
+    status: str  # "skipped", "succeeded", "failed", "cancelled", "lost"
+    detail: str = ""
+
+
+def _engine_kwargs(fn: Callable[..., Any], config: dict[str, Any], device: str) -> dict[str, Any]:
+    """Optional keyword arguments the engine entry point accepts (device, evaluate)."""
+    params = inspect.signature(fn).parameters
+    kw: dict[str, Any] = {}
+    if "device" in params:
+        kw["device"] = device
+    if "evaluate" in params and "evaluate" in config:
+        kw["evaluate"] = bool(config["evaluate"])
+    return kw
+
+
+def _job_snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
+    with sessions() as s:
+        job = s.get(Job, job_id, populate_existing=True)
+        if job is not None:
+            s.expunge(job)
+        return job
+
+
+def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id: str | None = None) -> Outcome:
+    """One attempt at the job. Idempotent: a job that is not queued is left alone."""
+    worker_id = worker_id or default_worker_id()
+    with sessions() as s:
+        job = state.claim(s, job_id, worker_id)
+        if job is None:
+            log.info("job %s: nothing to claim (duplicate delivery, finished or cancelled)", job_id)
+            return Outcome("skipped")
+        model_id, request, config = job.model_id, dict(job.request), dict(job.config)
+        pinned, attempt = job.model_revision, job.attempts
+    log.info("job %s: claimed by %s (attempt %d) on %s", job_id, worker_id, attempt, cfg.device)
+    writer = ProgressWriter(
+        sessions, job_id, worker_id, min_interval=cfg.progress_min_interval_s, layer_delay=cfg.debug_layer_delay_s
+    )
+    clear_stale_staging(cfg.artifacts_dir, job_id)
+    staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
+    try:
+        with heartbeating(writer, cfg.heartbeat_interval_s):
+            _run_attempt(sessions, job_id, worker_id, cfg, writer, staging, model_id, request, config, pinned)
+        return Outcome("succeeded")
+    except (OperationalError, DBAPIError):
+        # The database is unreachable: nothing can be recorded. The heartbeat stops, so the
+        # sweep re-queues the job (bounded attempts); Celery logs this exception.
+        raise
+    except (CancelledError, state.JobCancelRequestedError) as exc:
+        return _stop(sessions, job_id, worker_id, str(exc))
+    except state.IllegalTransitionError as exc:
+        log.warning("job %s: lost ownership (%s)", job_id, exc)
+        return Outcome("lost", str(exc))
+    except Exception as exc:
+        # (KeyboardInterrupt / SystemExit are not failures of the job: they propagate and the
+        # job, left running without heartbeats, is re-queued by the sweep.)
+        code = job_error_code(exc)
+        message = f"{exc}" if isinstance(exc, HiggsError) else f"{type(exc).__name__}: {exc}"
+        if code in ("internal_error", "engine_error"):
+            log.exception("job %s failed", job_id)
+        else:
+            log.warning("job %s failed: %s: %s", job_id, code, message)
+        try:
+            with sessions() as s:
+                state.fail(s, job_id, code, message or code, worker_id=worker_id)
+        except state.IllegalTransitionError as e:
+            log.warning("job %s: could not record the failure (%s)", job_id, e)
+            return Outcome("lost", str(e))
+        return Outcome("failed", f"{code}: {message}")
+    finally:
+        remove_tree(staging)
+        remove_empty_job_dir(cfg.artifacts_dir, job_id)
+
+
+def _run_attempt(
+    sessions: SessionFactory,
+    job_id: str,
+    worker_id: str,
+    cfg: RunnerConfig,
+    writer: ProgressWriter,
+    staging: Path,
+    model_id: str,
+    request: dict[str, Any],
+    config: dict[str, Any],
+    pinned: str | None,
+) -> Path:
+    from higgs_engine.config import HiggsConfig
+    from higgs_engine.pipeline import quantize_checkpoint
+    from worker.models import resolve_model
+
+    if writer("resolving", 0, 1) is False:
+        raise CancelledError("cancelled before the model was resolved")
+    requested = (request.get("model") or {}).get("revision")
+    source = resolve_model(
+        model_id,
+        pinned or requested,
+        models_dir=cfg.models_dir,
+        token=cfg.hf_token,
+        offline=cfg.hf_offline,
+    )
+    if source.revision and source.revision != pinned:
+        with sessions() as s:
+            state.record_model_revision(s, job_id, source.revision, worker_id=worker_id)
+    if writer("resolving", 1, 1) is False:
+        raise CancelledError("cancelled after the model was resolved")
+    engine_cfg = HiggsConfig.from_dict(config["engine"])
+    evaluate = bool(config.get("evaluate"))
+    if evaluate and "native" not in engine_cfg.formats:
+        raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
+    if evaluate and cfg.eval_text_file is None:
+        # Before the long part: say it now rather than after quantizing.
+        raise InvalidConfigError(f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}")
+    staging.mkdir(parents=True, exist_ok=True)
+    out = staging / "out"
+    t0 = time.perf_counter()
+    report = quantize_checkpoint(
+        source.path, out, engine_cfg, writer, **_engine_kwargs(quantize_checkpoint, config, cfg.device)
+    )
+    engine_s = time.perf_counter() - t0
+    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+    report.metrics.setdefault("service", {}).update(
+        {"device": cfg.device, "worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
+    )
+    if evaluate:
+        t1 = time.perf_counter()
+        es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
+        report.metrics.update(evaluate_artifact(source.path, out / "native", es, writer))
+        report.timings["evaluating"] = time.perf_counter() - t1
+    if (out / "report.json").exists():
+        report.save(out / "report.json")
+    if writer.stop.is_set():
+        raise CancelledError("cancelled while packaging")
+    final = publish(out, cfg.artifacts_dir, job_id, staging.name)
+    try:
+        rows = artifact_rows(final, list(engine_cfg.formats))
+        report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+        with sessions() as s:
+            state.succeed(s, job_id, report_dict, None, rows, worker_id=worker_id, model_revision=source.revision)
+    except BaseException:
+        # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
+        remove_tree(final)
+        remove_empty_job_dir(cfg.artifacts_dir, job_id)
+        raise
+    # Exactly one published artifact set per job: drop what earlier attempts left behind.
+    prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
+    log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
+    return final
+
+
+def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str) -> Outcome:
+    """The engine stopped on request: cancelled if the user asked and we own the job; else lost."""
+    job = _job_snapshot(sessions, job_id)
+    if job is None:
+        return Outcome("lost", "the job row disappeared")
+    if job.status == CANCELLED:
+        return Outcome("cancelled", why)
+    if job.status == RUNNING and job.worker_id == worker_id and job.cancel_requested:
+        with sessions() as s:
+            state.mark_cancelled(s, job_id, worker_id=worker_id)
+        log.info("job %s: cancelled (%s)", job_id, why)
+        return Outcome("cancelled", why)
+    log.warning("job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status)
+    return Outcome("lost", why)
