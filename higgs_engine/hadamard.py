@@ -20,6 +20,10 @@ import torch
 
 from higgs_engine.errors import InvalidConfigError
 
+# block_layout lives in a torch-free module (the allocator and the API use it); re-exported here.
+from higgs_engine.layout import block_layout
+from higgs_engine.layout import is_power_of_two as _is_power_of_two
+
 __all__ = [
     "block_layout",
     "fht",
@@ -30,27 +34,6 @@ __all__ = [
     "rotate_reference",
     "unrotate",
 ]
-
-
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def block_layout(in_features: int, max_block: int = 1024) -> list[int]:
-    """Power-of-two block sizes, largest first, that sum to `in_features` (no padding)."""
-    if not isinstance(in_features, int) or in_features <= 0:
-        raise InvalidConfigError(f"in_features={in_features!r} must be a positive integer")
-    if not isinstance(max_block, int) or not _is_power_of_two(max_block):
-        raise InvalidConfigError(f"rotation block {max_block!r} must be a power of two")
-    layout = [max_block] * (in_features // max_block)
-    rest = in_features % max_block
-    bit = max_block >> 1
-    while rest:
-        if rest & bit:
-            layout.append(bit)
-            rest -= bit
-        bit >>= 1
-    return layout
 
 
 def check_layout(layout: Sequence[int], width: int) -> None:
@@ -190,6 +173,6 @@ def rotate_reference(
     check_layout(layout, width)
     m = torch.block_diag(*[hadamard_matrix(h, torch.float64) for h in layout])  # symmetric
     if signs is not None:
-        m = torch.diag(signs.to(torch.float64)) @ m
+        m = signs.to(torch.float64)[:, None] * m  # diag(signs) @ m
     # Column form y = Hb D x; for row vectors y^T = x^T D Hb^T = x^T (D Hb), Hb symmetric.
     return x.to(torch.float64) @ m

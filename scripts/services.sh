@@ -36,11 +36,15 @@ services_start() {
   mkdir -p "$SERVICES_DIR/pg"; chown "$pguser" "$SERVICES_DIR/pg"
   # initdb refuses to run as root, so the cluster belongs to the postgres user.
   su "$pguser" -s /bin/sh -c "'$pgbin/initdb' -D '$SERVICES_DIR/pg/data' -U postgres --auth=trust >'$SERVICES_DIR/pg/initdb.log' 2>&1"
-  su "$pguser" -s /bin/sh -c "'$pgbin/pg_ctl' -D '$SERVICES_DIR/pg/data' -w -l '$SERVICES_DIR/pg/server.log' \
+  su "$pguser" -s /bin/sh -c "'$pgbin/pg_ctl' -D '$SERVICES_DIR/pg/data' -w -t 300 -l '$SERVICES_DIR/pg/server.log' \
     -o \"-p $PG_PORT -k '$SERVICES_DIR/pg' -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off\" start >/dev/null"
-  for _ in $(seq 1 50); do
+  for _ in $(seq 1 600); do
     redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.1
   done
+  for _ in $(seq 1 600); do
+    "$pgbin/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" && break; sleep 0.2
+  done
+  "$pgbin/pg_isready" -h 127.0.0.1 -p "$PG_PORT" >/dev/null || { cat "$SERVICES_DIR/pg/server.log" >&2; return 1; }
   export HIGGS_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
   export HIGGS_TEST_POSTGRES_URL="postgresql+psycopg://postgres@127.0.0.1:$PG_PORT/postgres"
   echo "services: redis on 127.0.0.1:$REDIS_PORT, postgresql on 127.0.0.1:$PG_PORT ($SERVICES_DIR)"

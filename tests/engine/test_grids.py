@@ -70,9 +70,12 @@ def test_stored_mse_matches_monte_carlo(p: int, n: int) -> None:
     z = torch.randn(1_000_000 // p, p, generator=g)
     grid = get_grid(p, n)
     idx = nearest_points(z, grid)
-    mc = float((z - grid[idx]).square().mean())
-    # Monte Carlo relative standard error here is ~0.2%; the quadrature adds a little.
-    assert mc == pytest.approx(grid_mse(p, n), rel=0.01)
+    err = (z.double() - grid.double()[idx]).square().mean(1)  # per-coordinate error per tuple
+    mc = float(err.mean())
+    # Large grids are tail-dominated (one 5-sigma sample moves the mean by ~1%), so the bound
+    # is the estimate's own standard error (4 sigma) plus 0.5% for the quadrature.
+    stderr = float(err.std()) / err.numel() ** 0.5
+    assert abs(mc - grid_mse(p, n)) <= 4 * stderr + 0.005 * grid_mse(p, n), (mc, stderr)
 
 
 def test_p1_grid_is_lloyd_max_fixed_point() -> None:
