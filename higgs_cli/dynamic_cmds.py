@@ -1,0 +1,445 @@
+"""Dynamic HIGGS verbs: `higgs profile`, `higgs plan`, and the dynamic targets of `higgs quantize`.
+
+`register` adds the `profile` and `plan` verbs; `add_quantize_args(parser)` and
+`dynamic_quantize(args, config, progress)` are the hooks `higgs quantize` calls for
+--avg-bits / --max-ppl-increase. Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from higgs_cli.main import CliError
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return x
+
+
+def _levels(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--levels {text!r} must be comma-separated numbers like 0.005,0.02"
+        ) from None
+    if not vals or any(not (math.isfinite(v) and 0 < v < 1) for v in vals):
+        raise argparse.ArgumentTypeError(
+            f"--levels {text!r}: every level must be a relative MSE t^2 in (0, 1)"
+        )
+    return vals
+
+
+def _add_profile_options(p: Any, prefix: str = "") -> None:
+    """Options that decide how a profile is measured (prefixed with --profile- under quantize)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        f"--{prefix}text", default=None, metavar="FILE", help="calibration text (UTF-8)"
+    )
+    src.add_argument(
+        f"--{prefix}random-tokens",
+        action="store_true",
+        help="calibrate on seeded random tokens (data-free; the default without a text)",
+    )
+    p.add_argument(
+        f"--{prefix}metric",
+        choices=["kl", "ppl"],
+        default="kl",
+        help="KL from the base model (default; works on random tokens) or perplexity",
+    )
+    p.add_argument(
+        f"--{prefix}fast",
+        action="store_true",
+        help="estimate alphas from Fisher statistics (a few backward passes) instead of noise injection",
+    )
+    p.add_argument(
+        f"--{prefix}tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="calibration token budget (default 2048)",
+    )
+    p.add_argument(
+        f"--{prefix}context",
+        type=int,
+        default=512,
+        metavar="T",
+        help="tokens per window (default 512)",
+    )
+    p.add_argument(
+        f"--{prefix}levels",
+        type=_levels,
+        default=(0.005, 0.02),
+        metavar="T2[,T2]",
+        help="noise levels t^2 (default 0.005,0.02)",
+    )
+    p.add_argument(
+        f"--{prefix}samples",
+        type=int,
+        default=4,
+        metavar="K",
+        help="label draws per window for --fast (default 4)",
+    )
+    p.add_argument(f"--{prefix}seed", type=int, default=0, metavar="S", help="seed (default 0)")
+    p.add_argument(
+        f"--{prefix}cache",
+        default=None,
+        metavar="DIR",
+        help="profile cache directory (reused when model, revision, data, metric and budget match)",
+    )
+
+
+def register(subparsers: Any) -> None:
+    pr = subparsers.add_parser(
+        "profile",
+        help="measure a model's per-layer sensitivity profile (alpha per layer)",
+        description=(
+            "Measure alpha_l for every quantizable layer of SOURCE so that the metric change of any "
+            "per-layer quantization is predicted as sum alpha_l * t_l^2. Resumable: rerun the same "
+            "command after an interruption and it continues from the last finished layer."
+        ),
+    )
+    pr.add_argument("source", metavar="SOURCE", help="checkpoint directory or Hub id")
+    pr.add_argument(
+        "--out", required=True, metavar="PROFILE.json", help="where to write the profile"
+    )
+    _add_profile_options(pr)
+    pr.add_argument(
+        "--skip",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="fnmatch pattern(s) of module names not to profile",
+    )
+    pr.add_argument("--revision", default=None, metavar="R", help="Hub revision")
+    pr.add_argument("--token", default=None, metavar="T", help="Hub token")
+    pr.add_argument("--json", action="store_true", help="print a summary as JSON")
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
+    pr.set_defaults(handler=cmd_profile)
+
+    pl = subparsers.add_parser(
+        "plan",
+        help="predicted quality versus size (Pareto curve) from a profile, without quantizing",
+        description=(
+            "Print the Pareto curve of predicted metric change versus average bits per weight "
+            "(scales, grids and 16-bit layers counted) and, with a target, the allocation for it."
+        ),
+    )
+    pl.add_argument("source", metavar="SOURCE", help="checkpoint directory or Hub id")
+    pl.add_argument("--profile", required=True, metavar="PROFILE.json")
+    tgt = pl.add_mutually_exclusive_group()
+    tgt.add_argument("--avg-bits", type=_positive_float, default=None, metavar="B")
+    tgt.add_argument(
+        "--max-ppl-increase",
+        type=_positive_float,
+        default=None,
+        metavar="R",
+        help="relative perplexity increase bound (0.05 = 5%%)",
+    )
+    pl.add_argument(
+        "--max-code-bits",
+        type=_positive_float,
+        default=None,
+        metavar="B",
+        help="leave out grids above B code bits (e.g. those your kernels lack)",
+    )
+    pl.add_argument("--group-size", type=int, default=256, metavar="G")
+    pl.add_argument("--rotation-block", type=int, default=1024, metavar="H")
+    pl.add_argument(
+        "--step",
+        type=_positive_float,
+        default=0.25,
+        metavar="BITS",
+        help="spacing of the printed curve in bits per weight (default 0.25)",
+    )
+    pl.add_argument("--skip", action="append", nargs="+", default=[], metavar="PATTERN")
+    pl.add_argument("--revision", default=None, metavar="R")
+    pl.add_argument("--token", default=None, metavar="T")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(handler=cmd_plan)
+
+
+def add_quantize_args(q: argparse.ArgumentParser) -> None:
+    """The dynamic-target options of `higgs quantize`."""
+    g = q.add_argument_group("dynamic HIGGS (per-layer bit allocation)")
+    tgt = g.add_mutually_exclusive_group()
+    tgt.add_argument(
+        "--avg-bits",
+        type=_positive_float,
+        default=None,
+        metavar="B",
+        help="average bits per weight over the linear layers, everything counted",
+    )
+    tgt.add_argument(
+        "--max-ppl-increase",
+        type=_positive_float,
+        default=None,
+        metavar="R",
+        help="smallest model whose predicted perplexity increase is at most R (0.05 = 5%%)",
+    )
+    g.add_argument(
+        "--max-code-bits",
+        type=_positive_float,
+        default=None,
+        metavar="B",
+        help="leave out grids above B code bits (e.g. those your kernels lack)",
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="PROFILE.json",
+        help="use this profile (default: compute one, cached under --profile-cache)",
+    )
+    _add_profile_options(g, "profile-")
+
+
+def _profile_config(args: argparse.Namespace, prefix: str = "") -> Any:
+    from higgs_engine.profile import ProfileConfig
+
+    def get(name: str) -> Any:
+        return getattr(args, (prefix + name).replace("-", "_"))
+
+    tokens, context = int(get("tokens")), int(get("context"))
+    if tokens < 2:
+        raise CliError(f"--{prefix}tokens {tokens} must be at least 2")
+    if context < 2:
+        raise CliError(f"--{prefix}context {context} must be at least 2")
+    context = min(context, tokens)
+    if get("metric") == "ppl" and get("text") is None:
+        raise CliError(
+            f"--{prefix}metric ppl needs --{prefix}text FILE (perplexity of random tokens means nothing)"
+        )
+    return ProfileConfig(
+        metric=get("metric"),
+        method="fisher" if get("fast") else "noise",
+        levels=tuple(get("levels")),
+        context=context,
+        windows=max(1, tokens // context),
+        seed=int(get("seed")),
+        fisher_samples=int(get("samples")),
+    )
+
+
+def _read_text(args: argparse.Namespace, prefix: str = "") -> str | None:
+    path = getattr(args, (prefix + "text").replace("-", "_"))
+    if path is None:
+        return None
+    from higgs_engine.evaluate import read_text
+
+    return read_text(Path(path))
+
+
+def _skip(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(pat for group in args.skip for pat in group)
+
+
+class _Bar:
+    """tqdm bar per stage on stderr (off when stderr is not a terminal)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.stage: str | None = None
+        self.bar: Any = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            self.bar = tqdm(total=total, desc=stage, file=sys.stderr, disable=None, leave=False)
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    cfg = _profile_config(args)
+    text = _read_text(args)
+    from higgs_engine.dynamic import get_profile
+
+    bar = _Bar(args.quiet)
+    try:
+        prof = get_profile(
+            args.source,
+            cfg,
+            text=text,
+            cache_dir=Path(args.cache) if args.cache else None,
+            out=Path(args.out),
+            skip=_skip(args),
+            revision=args.revision,
+            token=args.token,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    alphas = sorted(prof.alphas().items(), key=lambda kv: kv[1])
+    summary = {
+        "out": args.out,
+        "layers": len(alphas),
+        "metric": prof.metric,
+        "method": prof.method,
+        "calibration": prof.calibration,
+        "tokens": cfg.tokens,
+        "cost": prof.cost,
+        "alpha_min": alphas[0],
+        "alpha_max": alphas[-1],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    spread = alphas[-1][1] / alphas[0][1] if alphas[0][1] > 0 else math.inf
+    print(
+        f"profiled {len(alphas)} layers ({prof.method}, metric {prof.metric}, {cfg.tokens} tokens of "
+        f"{prof.calibration.split(':')[0]}) in {prof.cost['seconds']:.1f} s, "
+        f"{int(prof.cost['forward_passes'])} forward / {int(prof.cost['backward_passes'])} backward passes"
+    )
+    print(
+        f"alpha from {alphas[0][1]:.4g} ({alphas[0][0]}) to {alphas[-1][1]:.4g} ({alphas[-1][0]}), spread {spread:.0f}x"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _load_profile(path: str) -> Any:
+    from higgs_engine.profile import Profile
+
+    prof = Profile.load(Path(path))
+    if not prof.complete:
+        raise CliError(
+            f"profile {path!r} is incomplete ({len(prof.layers)} layers); rerun `higgs profile` to finish it"
+        )
+    return prof
+
+
+def _target(avg_bits: float | None, max_ppl: float | None) -> Any:
+    from higgs_engine.dynamic import Target
+
+    if avg_bits is None and max_ppl is None:
+        return None
+    return Target(avg_bits=avg_bits, max_ppl_increase=max_ppl)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from higgs_engine.config import HiggsConfig
+
+    cfg = HiggsConfig(
+        group_size=args.group_size, rotation_block=args.rotation_block, skip=_skip(args)
+    )
+    target = _target(args.avg_bits, args.max_ppl_increase)
+    prof = _load_profile(args.profile)
+    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.dynamic import plan_allocation, ppl_increase_from
+
+    src = resolve_source(args.source, args.revision, args.token)
+    names = quantizable_layers(src.path, cfg.skip)
+    from higgs_engine.allocator import options_up_to
+
+    opts = options_up_to(args.max_code_bits)
+    plan = plan_allocation(prof, cfg, target, names=names, options=opts, pareto_step=args.step)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    m = plan.metric
+    print(
+        f"Pareto curve of {args.source} from a {prof.method} profile (metric {m}); {plan.conversion}"
+    )
+    print(f"{'bits/weight':>12}  {'predicted ' + m:>14}  {'pred. ppl increase':>18}")
+    for pt in plan.pareto:
+        print(
+            f"{pt.avg_bits:12.4f}  {pt.predicted:14.5f}  {100 * ppl_increase_from(m, pt.predicted):17.2f}%"
+        )
+    if target is not None:
+        a = plan.allocation
+        hist = ", ".join(f"{k}: {v}" for k, v in a.histogram().items())
+        print(
+            f"target {target.to_dict()}: {a.avg_bits:.4f} bits per weight, predicted {m} {a.predicted:.5f} "
+            f"(ppl +{100 * ppl_increase_from(m, a.predicted):.2f}%); layers {hist}"
+        )
+    return 0
+
+
+def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> Any:
+    """Run `higgs quantize` with a dynamic target, or uniform HIGGS with --profile (the report
+    then carries the predicted change); None when neither applies (the caller then runs plain
+    uniform HIGGS)."""
+    target = _target(getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None))
+    overwrite = bool(getattr(args, "overwrite", False))
+    if target is None:
+        if not getattr(args, "profile", None):
+            return None
+        prof = _load_profile(args.profile)
+        from higgs_engine.dynamic import annotate_report
+        from higgs_engine.pipeline import quantize_checkpoint
+
+        rep = quantize_checkpoint(
+            args.source,
+            Path(args.out),
+            config,
+            progress,
+            revision=args.revision,
+            token=args.token,
+            overwrite=overwrite,
+        )
+        annotate_report(rep, prof)
+        rep.save(Path(args.out) / "report.json")
+        return rep
+    if getattr(args, "bits", None) is not None or getattr(args, "n", None) is not None:
+        raise CliError(
+            "--bits / --n fix one grid for every layer; drop them with --avg-bits or --max-ppl-increase"
+        )
+    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.dynamic import get_profile, plan_allocation, quantize_with_allocation
+
+    if args.profile:
+        prof = _load_profile(args.profile)
+    else:
+        pcfg = _profile_config(args, "profile-")
+        text = _read_text(args, "profile-")
+        prof = get_profile(
+            args.source,
+            pcfg,
+            text=text,
+            cache_dir=Path(args.profile_cache) if args.profile_cache else None,
+            skip=config.skip,
+            revision=args.revision,
+            token=args.token,
+            progress=progress,
+        )
+    src = resolve_source(args.source, args.revision, args.token)
+    names = quantizable_layers(src.path, config.skip)
+    from higgs_engine.allocator import options_up_to
+
+    opts = options_up_to(args.max_code_bits)
+    plan = plan_allocation(prof, config, target, names=names, options=opts, progress=progress)
+    return quantize_with_allocation(
+        args.source,
+        Path(args.out),
+        config,
+        prof,
+        plan,
+        progress=progress,
+        revision=args.revision,
+        token=args.token,
+        overwrite=overwrite,
+    )

@@ -1,0 +1,544 @@
+"""A model's sensitivity profile: alpha_l such that metric change ~= sum_l alpha_l * t_l^2.
+
+Two ways to measure it (ALGORITHM.md section 2):
+
+- Noise injection (the paper's way, `method="noise"`): perturb ONE layer at a time,
+  W <- W + sqrt(t^2) * ||W||_F / sqrt(numel) * N(0, 1), at two or more levels t^2, measure the
+  metric change on calibration tokens, and fit alpha through the origin by least squares:
+  alpha = sum(t2 * d) / sum(t2^2). Cost: layers x levels evaluations.
+- Fisher (`method="fisher"`, fast): for Gaussian noise of per-entry variance
+  s^2 = t^2 ||W||^2 / numel, the second-order expansion of the per-token KL from the base gives
+      E[KL] ~= 0.5 * s^2 * tr(F_l)   =>   alpha_l ~= 0.5 * ||W_l||^2 / numel_l * tr(F_l),
+  with F_l the per-token Fisher information of layer l's weights. tr(F_l) is estimated from a
+  few backward passes: sample labels y_t from the model's own next-token distribution, take
+  G = grad of sum_t log p(y_t | x_<t); the per-token gradients have mean zero and are
+  independent given the inputs, so E||G||^2 = sum_t E||g_t||^2 = T * tr(F_l). The expected
+  NLL increase under zero-mean noise has the same form with the Hessian, which the Fisher
+  approximates (Gauss-Newton), so the same alphas serve the perplexity metric.
+
+Metrics: "kl" = mean KL(base || perturbed) per token (works on random tokens: data-free);
+"ppl" = relative perplexity increase ppl/ppl_base - 1 on calibration text.
+
+The model is loaded once, in float32, and weights are perturbed and restored in place. The
+noise of (layer i, level k) comes from its own generator seeded by (seed, i, k), so a resumed
+run gives the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError, ProfileNotFoundError
+from higgs_engine.progress import ProgressCallback, report
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+PROFILE_VERSION = 1
+METRICS = ("kl", "ppl")
+METHODS = ("noise", "fisher")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """How a profile is measured. Everything that changes the alphas is in here."""
+
+    metric: str = "kl"
+    method: str = "noise"
+    levels: tuple[float, ...] = (0.005, 0.02)  # noise t^2 for the noise-injection method
+    context: int = 512
+    windows: int = 4  # token budget = windows * context
+    seed: int = 0
+    fisher_samples: int = 4  # label draws (backward passes) per window for the Fisher method
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise InvalidConfigError(f"metric={self.metric!r} must be one of {list(METRICS)}")
+        if self.method not in METHODS:
+            raise InvalidConfigError(f"method={self.method!r} must be one of {list(METHODS)}")
+        if self.method == "noise":
+            if not self.levels:
+                raise InvalidConfigError("levels must name at least one noise level t^2")
+            bad = [x for x in self.levels if not (math.isfinite(x) and 0 < x < 1)]
+            if bad:
+                raise InvalidConfigError(f"noise levels {bad} must be relative MSEs t^2 in (0, 1)")
+        if self.context < 2:
+            raise InvalidConfigError(f"context={self.context} must be at least 2 tokens")
+        if self.windows < 1:
+            raise InvalidConfigError(f"windows={self.windows} must be at least 1")
+        if self.fisher_samples < 1:
+            raise InvalidConfigError(f"fisher_samples={self.fisher_samples} must be at least 1")
+
+    @property
+    def tokens(self) -> int:
+        return self.windows * self.context
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["levels"] = list(self.levels)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProfileConfig:
+        d = dict(d)
+        d["levels"] = tuple(d.get("levels", ()))
+        return cls(**d)
+
+
+@dataclass
+class LayerAlpha:
+    name: str
+    shape: list[int]  # [out_features, in_features]
+    alpha: float
+    # noise method: [[t2, metric change], ...] per level; fisher: [] (tr_fisher is set instead)
+    points: list[list[float]] = field(default_factory=list)
+    tr_fisher: float | None = None
+
+
+@dataclass
+class Profile:
+    model: str  # model id or path as given
+    revision: str | None  # resolved commit or local fingerprint
+    calibration: str  # "text:<sha256>" or "random:<seed>"
+    config: dict[str, Any]  # ProfileConfig.to_dict()
+    layers: list[LayerAlpha]
+    base: dict[str, float]  # {"ppl": ...} of the base model on the calibration tokens
+    cost: dict[str, float]  # {"forward_passes", "backward_passes", "seconds"}
+    complete: bool
+    version: int = PROFILE_VERSION
+
+    @property
+    def metric(self) -> str:
+        return str(self.config["metric"])
+
+    @property
+    def method(self) -> str:
+        return str(self.config["method"])
+
+    def alphas(self) -> dict[str, float]:
+        return {la.name: la.alpha for la in self.layers}
+
+    def key(self) -> str:
+        return profile_key(
+            self.model, self.revision, self.calibration, ProfileConfig.from_dict(self.config)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        d = dict(d)
+        if d.get("version") != PROFILE_VERSION:
+            raise CorruptCheckpointError(
+                f"profile version {d.get('version')!r} is not {PROFILE_VERSION}"
+            )
+        d["layers"] = [LayerAlpha(**row) for row in d["layers"]]
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        """Write atomically (a reader never sees half a file; an interrupted run keeps the last one)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileNotFoundError(f"profile file {str(path)!r} does not exist")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptCheckpointError(f"{str(path)!r} is not a valid profile: {exc}") from exc
+
+
+def profile_key(model: str, revision: str | None, calibration: str, config: ProfileConfig) -> str:
+    """Cache key: model, revision, calibration data, and every setting that changes alphas."""
+    blob = json.dumps(
+        {
+            "model": model,
+            "revision": revision,
+            "calibration": calibration,
+            "config": config.to_dict(),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def calibration_id(text: str | None, seed: int) -> str:
+    if text is None:
+        return f"random:{seed}"
+    return "text:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration tokens and metric evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def random_windows(vocab_size: int, config: ProfileConfig) -> torch.Tensor:
+    """Uniform random token ids, (windows, context) int64, from the profile's seed (data-free)."""
+    import torch
+
+    g = torch.Generator().manual_seed(config.seed)
+    return torch.randint(0, vocab_size, (config.windows, config.context), generator=g)
+
+
+class _Runner:
+    """Forward passes of one model over fixed windows, restarting at a decoder block when it can.
+
+    Perturbing a layer in decoder block k leaves blocks 0..k-1 unchanged, so their output is
+    cached once per window and only blocks k.. (plus the final norm and head) are rerun: about
+    half the work of a full forward on average. The replay path is checked against the full
+    forward when the runner is built and is not used if the two disagree.
+    """
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor) -> None:
+        import torch
+
+        self.model = model
+        self.windows = windows
+        self.forwards = 0
+        self.blocks: list[nn.Module] | None = None
+        self.block_prefix: list[str] = []
+        self._inputs: list[list[tuple[Any, Any, dict[str, Any]]]] = []
+        found = self._find_blocks(model)
+        if found is not None:
+            self.block_prefix, self.blocks, self.norm, self.head = found
+            self._capture()
+            full = self._full_logits(0)
+            replay = self._replay_logits(0, 0)
+            if not torch.allclose(full, replay, rtol=1e-4, atol=1e-4):
+                self.blocks = None
+                self._inputs = []
+
+    @staticmethod
+    def _find_blocks(
+        model: nn.Module,
+    ) -> tuple[list[str], list[nn.Module], nn.Module, nn.Module] | None:
+        from torch import nn
+
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        norm = getattr(base, "norm", None)
+        head = getattr(model, "lm_head", None)
+        if not isinstance(layers, nn.ModuleList) or norm is None or head is None:
+            return None
+        names = {id(m): n for n, m in model.named_modules()}
+        prefix = [names[id(b)] + "." for b in layers]
+        return prefix, list(layers), norm, head
+
+    def _capture(self) -> None:
+        import torch
+
+        assert self.blocks is not None
+        for i in range(self.windows.shape[0]):
+            seen: list[tuple[Any, Any, dict[str, Any]]] = []
+
+            def hook(
+                mod: nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                seen: list[Any] = seen,
+            ) -> None:
+                seen.append((args[0].detach(), args[1:], dict(kwargs)))
+
+            handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.blocks]
+            try:
+                with torch.no_grad():
+                    self.model(input_ids=self.windows[i : i + 1], use_cache=False)
+            finally:
+                for h in handles:
+                    h.remove()
+            self.forwards += 1
+            self._inputs.append(seen)
+
+    def block_of(self, layer_name: str) -> int:
+        for k, pre in enumerate(self.block_prefix):
+            if layer_name.startswith(pre):
+                return k
+        return -1
+
+    def _full_logits(self, i: int) -> torch.Tensor:
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=self.windows[i : i + 1], use_cache=False)
+        self.forwards += 1
+        return out.logits[0, :-1].float()  # (context - 1, vocab)
+
+    def _replay_logits(self, i: int, start: int) -> torch.Tensor:
+        import torch
+
+        assert self.blocks is not None
+        h, args, kwargs = self._inputs[i][start]
+        with torch.no_grad():
+            for block, (_, a, kw) in zip(self.blocks[start:], self._inputs[i][start:], strict=True):
+                out = block(h, *a, **kw)
+                h = out[0] if isinstance(out, tuple) else out
+            logits = self.head(self.norm(h))
+        self.forwards += 1
+        return logits[0, :-1].float()
+
+    def log_probs(self, i: int, layer_name: str | None = None) -> torch.Tensor:
+        """(context - 1, vocab) float32 log-probs of window i, rerunning only what `layer_name` changes."""
+        import torch
+
+        k = (
+            self.block_of(layer_name)
+            if (layer_name is not None and self.blocks is not None)
+            else -1
+        )
+        logits = self._replay_logits(i, k) if k >= 0 else self._full_logits(i)
+        return torch.log_softmax(logits, dim=-1)
+
+
+def _scores(lp: torch.Tensor, targets: torch.Tensor, base_lp: torch.Tensor) -> tuple[float, float]:
+    """(sum NLL, sum KL(base || lp)) over one window, float64."""
+    nll = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().sum().item()
+    kl = (base_lp.exp() * (base_lp - lp)).sum(-1).double().sum().item()
+    return nll, kl
+
+
+class _Metric:
+    """The profile's metric of the model's current weights, relative to the base weights."""
+
+    def __init__(self, runner: _Runner, metric: str) -> None:
+        self.runner = runner
+        self.metric = metric
+        w = runner.windows
+        self.tokens = int(w.shape[0]) * (int(w.shape[1]) - 1)
+        self.base_lp = [runner.log_probs(i) for i in range(w.shape[0])]
+        nll = sum(_scores(lp, w[i, 1:], lp)[0] for i, lp in enumerate(self.base_lp))
+        self.base_ppl = math.exp(nll / self.tokens)
+
+    def change(self, layer_name: str) -> float:
+        nll = kl = 0.0
+        w = self.runner.windows
+        for i in range(w.shape[0]):
+            a, b = _scores(self.runner.log_probs(i, layer_name), w[i, 1:], self.base_lp[i])
+            nll += a
+            kl += b
+        if self.metric == "kl":
+            return kl / self.tokens
+        return math.exp(nll / self.tokens) / self.base_ppl - 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+# ---------------------------------------------------------------------------------------------
+
+
+def fit_through_origin(t2: Sequence[float], delta: Sequence[float]) -> float:
+    """Least-squares slope of delta = alpha * t2 with no intercept."""
+    den = math.fsum(x * x for x in t2)
+    if den <= 0:
+        raise InvalidConfigError("noise levels must be positive")
+    return math.fsum(x * y for x, y in zip(t2, delta, strict=True)) / den
+
+
+def _weights(model: nn.Module, names: Sequence[str]) -> list[torch.Tensor]:
+    """The (out, in) weight parameter of each named linear layer."""
+    import torch
+
+    mods = dict(model.named_modules())
+    ws = [getattr(mods.get(n), "weight", None) for n in names]
+    missing = [
+        n for n, w in zip(names, ws, strict=True) if not isinstance(w, torch.Tensor) or w.dim() != 2
+    ]
+    if missing:
+        raise InvalidConfigError(f"the model has no linear layer(s) {missing[:5]} to profile")
+    return [w for w in ws if isinstance(w, torch.Tensor)]
+
+
+def _noise_seed(seed: int, layer: int, level: int) -> int:
+    return (seed * 1_000_003 + layer * 7919 + level) % (2**63 - 1)
+
+
+def noise_profile_layers(
+    model: nn.Module,
+    names: Sequence[str],
+    windows: torch.Tensor,
+    config: ProfileConfig,
+    *,
+    done: Sequence[LayerAlpha] = (),
+    on_layer: Callable[[list[LayerAlpha], int], None] | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[list[LayerAlpha], float, int]:
+    """Noise-injection alphas for `names` (resuming after the layers in `done`).
+
+    Returns (layers, base ppl, forward passes). `on_layer(layers_so_far, forwards)` is called
+    after every layer so the caller can save a partial profile.
+    """
+    import torch
+
+    model.eval()
+    runner = _Runner(model, windows)
+    metric = _Metric(runner, config.metric)
+    weights = _weights(model, names)
+    out = list(done)
+    if [la.name for la in out] != list(names[: len(out)]):
+        raise InvalidConfigError("the partial profile's layers do not match the model's layers")
+    report(progress, "profiling", len(out), len(names))
+    for idx in range(len(out), len(names)):
+        w = weights[idx].data  # (out, in), perturbed in place and restored
+        orig = w.clone()
+        numel = w.numel()
+        norm2 = float(orig.double().pow(2).sum())
+        points: list[list[float]] = []
+        try:
+            for k, t2 in enumerate(config.levels):
+                g = torch.Generator().manual_seed(_noise_seed(config.seed, idx, k))
+                noise = torch.randn(w.shape, generator=g, dtype=torch.float32)
+                w.add_(noise.to(w.dtype), alpha=math.sqrt(t2 * norm2 / numel))
+                points.append([t2, metric.change(names[idx])])
+                w.copy_(orig)
+        finally:
+            w.copy_(orig)
+        alpha = fit_through_origin([p[0] for p in points], [p[1] for p in points])
+        out.append(LayerAlpha(names[idx], [int(w.shape[0]), int(w.shape[1])], alpha, points))
+        if on_layer is not None:
+            on_layer(out, runner.forwards)
+        report(progress, "profiling", idx + 1, len(names))
+    return out, metric.base_ppl, runner.forwards
+
+
+def fisher_profile_layers(
+    model: nn.Module,
+    names: Sequence[str],
+    windows: torch.Tensor,
+    config: ProfileConfig,
+    *,
+    progress: ProgressCallback | None = None,
+) -> tuple[list[LayerAlpha], float, int, int]:
+    """Fisher-trace alphas: returns (layers, base ppl, forward passes, backward passes)."""
+    import torch
+
+    model.eval()
+    params = _weights(model, names)
+    flags = [p.requires_grad for p in params]
+    sq = [0.0] * len(names)  # sum over windows and draws of ||G_l||^2
+    tokens = int(windows.shape[0]) * (int(windows.shape[1]) - 1)
+    g = torch.Generator().manual_seed(config.seed)
+    nll = 0.0
+    forwards = backwards = 0
+    total = int(windows.shape[0]) * config.fisher_samples
+    report(progress, "profiling", 0, total)
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        for i in range(windows.shape[0]):
+            with torch.enable_grad():
+                logits = model(input_ids=windows[i : i + 1], use_cache=False).logits[0, :-1].float()
+                lp = torch.log_softmax(logits, dim=-1)  # (T, vocab)
+                forwards += 1
+                nll += -float(lp.detach().gather(-1, windows[i, 1:].unsqueeze(-1)).sum())
+                probs = lp.detach().exp()
+                for s in range(config.fisher_samples):
+                    y = torch.multinomial(
+                        probs, 1, generator=g
+                    )  # (T, 1) labels drawn from the model
+                    grads = torch.autograd.grad(
+                        lp.gather(-1, y).sum(), params, retain_graph=s < config.fisher_samples - 1
+                    )
+                    backwards += 1
+                    for li, gr in enumerate(grads):
+                        sq[li] += float(gr.double().pow(2).sum())
+                    report(progress, "profiling", i * config.fisher_samples + s + 1, total)
+    finally:
+        for p, f in zip(params, flags, strict=True):
+            p.requires_grad_(f)
+    out = []
+    for li, (name, p) in enumerate(zip(names, params, strict=True)):
+        w = p.detach()
+        tr_f = sq[li] / (config.fisher_samples * tokens)  # per-token Fisher trace
+        alpha = 0.5 * float(w.double().pow(2).sum()) / w.numel() * tr_f
+        # For metric "ppl" the same figure holds: ppl/ppl_base - 1 ~= NLL increase when small.
+        out.append(LayerAlpha(name, [int(w.shape[0]), int(w.shape[1])], alpha, [], tr_f))
+    return out, math.exp(nll / tokens), forwards, backwards
+
+
+def compute_profile(
+    model: nn.Module,
+    names: Sequence[str],
+    windows: torch.Tensor,
+    config: ProfileConfig,
+    *,
+    model_id: str,
+    revision: str | None,
+    calibration: str,
+    partial_path: Path | None = None,
+    progress: ProgressCallback | None = None,
+) -> Profile:
+    """Measure a profile of `model` (loaded once, float32) over `windows`.
+
+    With `partial_path`, a partial profile with the same key found there is resumed, and the
+    profile is rewritten there after every layer (noise method), so an interrupted run
+    continues where it stopped.
+    """
+    key = profile_key(model_id, revision, calibration, config)
+    prof = Profile(
+        model=model_id,
+        revision=revision,
+        calibration=calibration,
+        config=config.to_dict(),
+        layers=[],
+        base={},
+        cost={"forward_passes": 0, "backward_passes": 0, "seconds": 0.0},
+        complete=False,
+    )
+    if partial_path is not None and Path(partial_path).is_file():
+        try:
+            old = Profile.load(partial_path)
+        except CorruptCheckpointError:
+            old = None
+        if old is not None and old.key() == key:
+            if old.complete:
+                return old
+            prof = old
+    start = time.perf_counter()
+    spent = float(prof.cost.get("seconds", 0.0))
+    fw0 = int(prof.cost.get("forward_passes", 0))
+    if config.method == "noise":
+
+        def save(layers: list[LayerAlpha], forwards: int) -> None:
+            prof.layers = list(layers)
+            prof.cost = {
+                "forward_passes": fw0 + forwards,
+                "backward_passes": 0,
+                "seconds": spent + time.perf_counter() - start,
+            }
+            if partial_path is not None:
+                prof.save(partial_path)
+
+        layers, base_ppl, forwards = noise_profile_layers(
+            model, names, windows, config, done=prof.layers, on_layer=save, progress=progress
+        )
+        save(layers, forwards)
+    else:
+        layers, base_ppl, forwards, backwards = fisher_profile_layers(
+            model, names, windows, config, progress=progress
+        )
+        prof.layers = layers
+        prof.cost = {
+            "forward_passes": forwards,
+            "backward_passes": backwards,
+            "seconds": time.perf_counter() - start,
+        }
+    prof.base = {"ppl": base_ppl}
+    prof.complete = True
+    if partial_path is not None:
+        prof.save(partial_path)
+    return prof

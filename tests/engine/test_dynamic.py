@@ -1,0 +1,247 @@
+"""Dynamic HIGGS glue and CLI: target -> allocation -> overrides -> quantize -> annotated report."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from higgs_cli.main import main
+from higgs_engine.allocator import options_up_to
+from higgs_engine.config import HiggsConfig
+from higgs_engine.dynamic import (
+    Target,
+    build_table,
+    config_with_allocation,
+    metric_bound_for_ppl,
+    plan_allocation,
+    ppl_increase_from,
+    predict_change,
+    run_dynamic,
+)
+from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
+from higgs_engine.profile import LayerAlpha, Profile, ProfileConfig
+from higgs_engine.report import Report
+from tests.conftest import build_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("dyn") / "llama")
+
+
+@pytest.fixture(scope="module")
+def profile_file(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    rc = main(
+        [
+            "profile",
+            str(ckpt),
+            "--random-tokens",
+            "--tokens",
+            "64",
+            "--context",
+            "32",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    return out
+
+
+def fake_profile(
+    names_shapes: list[tuple[str, int, int]], alphas: list[float], metric: str = "kl"
+) -> Profile:
+    return Profile(
+        model="m",
+        revision=None,
+        calibration="random:0",
+        config=ProfileConfig(metric=metric).to_dict(),
+        layers=[
+            LayerAlpha(n, [o, i], a) for (n, o, i), a in zip(names_shapes, alphas, strict=True)
+        ],
+        base={"ppl": 10.0},
+        cost={"forward_passes": 0, "backward_passes": 0, "seconds": 0.0},
+        complete=True,
+    )
+
+
+def test_target_takes_exactly_one_goal() -> None:
+    with pytest.raises(InvalidConfigError, match="exactly one"):
+        Target()
+    with pytest.raises(InvalidConfigError, match="exactly one"):
+        Target(avg_bits=4.0, max_ppl_increase=0.1)
+    with pytest.raises(InvalidConfigError, match="avg_bits=-1"):
+        Target(avg_bits=-1.0)
+    with pytest.raises(InvalidConfigError, match="max_ppl_increase=nan"):
+        Target(max_ppl_increase=float("nan"))
+
+
+def test_kl_to_ppl_conversion_round_trips() -> None:
+    assert metric_bound_for_ppl("kl", 0.05) == pytest.approx(math.log(1.05))
+    assert ppl_increase_from("kl", math.log(1.05)) == pytest.approx(0.05)
+    assert metric_bound_for_ppl("ppl", 0.05) == 0.05
+
+
+def test_plan_meets_both_kinds_of_target() -> None:
+    shapes = [(f"l{i}", 128, 256) for i in range(8)]
+    prof = fake_profile(shapes, [0.01 * 3**i for i in range(8)])
+    cfg = HiggsConfig()
+    plan = plan_allocation(prof, cfg, Target(avg_bits=4.0))
+    assert plan.allocation.avg_bits <= 4.0
+    # the more sensitive a layer, the more bits it gets (same shapes)
+    table = build_table(prof, cfg)
+    bits = [table.problem.cost_bits[i, j] for i, j in enumerate(plan.allocation.choice)]
+    assert bits == sorted(bits)
+    dual = plan_allocation(prof, cfg, Target(max_ppl_increase=0.02))
+    assert ppl_increase_from("kl", dual.allocation.predicted) <= 0.02 + 1e-12
+    # Pareto curve: bits up, predicted down
+    xs = [p.avg_bits for p in plan.pareto]
+    ys = [p.predicted for p in plan.pareto]
+    assert xs == sorted(xs) and ys == sorted(ys, reverse=True)
+    with pytest.raises(InfeasibleTargetError, match="avg_bits=0.5"):
+        plan_allocation(prof, cfg, Target(avg_bits=0.5))
+    d = plan.to_dict()
+    assert (
+        d["conversion"].startswith("ppl_increase = exp(KL) - 1")
+        and len(d["allocation"]["layers"]) == 8
+    )
+
+
+def test_profile_missing_a_layer_is_an_error() -> None:
+    prof = fake_profile([("a", 64, 64)], [1.0])
+    with pytest.raises(InvalidConfigError, match="'b'"):
+        plan_allocation(prof, HiggsConfig(), Target(avg_bits=4.0), names=["a", "b"])
+
+
+def test_predict_change_sums_alpha_times_measured_error() -> None:
+    prof = fake_profile([("a", 64, 64), ("b", 64, 64)], [2.0, 0.5])
+    pred = predict_change(prof, {"a": 0.01, "b": 0.1, "c": 0.3})
+    assert pred["predicted_kl"] == pytest.approx(2.0 * 0.01 + 0.5 * 0.1)
+    assert pred["predicted_ppl_increase"] == pytest.approx(math.expm1(0.07))
+    assert pred["unprofiled"] == ["c"]
+
+
+def test_config_with_allocation_keeps_other_overrides() -> None:
+    from higgs_engine.config import LayerOverride
+
+    prof = fake_profile([("a", 64, 64), ("b", 64, 64)], [2.0, 0.5])
+    base = HiggsConfig(overrides=(LayerOverride("z", 0, 0), LayerOverride("a", 1, 4)))
+    plan = plan_allocation(prof, base, Target(avg_bits=5.0))
+    cfg = config_with_allocation(base, plan.allocation)
+    assert cfg.grid_for("z") is None
+    assert [o.name for o in cfg.overrides] == ["z", "a", "b"]
+
+
+def test_run_dynamic_writes_allocation_alphas_and_prediction(
+    ckpt: Path, profile_file: Path, tmp_path: Path
+) -> None:
+    prof = Profile.load(profile_file)
+    stages: list[str] = []
+    run_dynamic(
+        ckpt,
+        tmp_path / "out",
+        Target(avg_bits=2.5),
+        HiggsConfig(),
+        profile=prof,
+        # small grids only: their nearest-point tables build fast
+        options=options_up_to(3.0),
+        progress=lambda s, d, t: stages.append(s),
+    )
+    assert stages.index("allocating") < stages.index("quantizing")
+    saved = Report.load(tmp_path / "out" / "report.json")
+    # the allocator's size model is the artifact's: the real bits (scales, grids, 16-bit layers)
+    assert saved.bits_per_weight <= 2.5 + 1e-9
+    alloc = saved.metrics["allocation"]
+    assert saved.bits_per_weight == pytest.approx(alloc["avg_bits"], rel=1e-3)
+    for row in saved.layers:
+        assert row.alpha == prof.alphas()[row.name]
+        opt = alloc["layers"][row.name]
+        assert opt == ("fp16" if row.p == 0 else f"p{row.p}n{row.n}")
+    expected = math.fsum(row.alpha * row.rel_error for row in saved.layers if row.alpha is not None)
+    assert saved.metrics["predicted_kl"] == pytest.approx(expected)
+    assert saved.metrics["conversion"].startswith("ppl_increase = exp(KL)")
+    assert len({row.bits for row in saved.layers}) > 1  # really dynamic
+
+
+def test_cli_plan_and_dynamic_quantize(
+    ckpt: Path, profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["plan", str(ckpt), "--profile", str(profile_file), "--avg-bits", "3.5", "--json"])
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["allocation"]["avg_bits"] <= 3.5 and len(plan["pareto"]) > 3
+    assert main(["plan", str(ckpt), "--profile", str(profile_file)]) == 0
+    out = capsys.readouterr().out
+    assert "bits/weight" in out and "exp(KL) - 1" in out
+    rc = main(
+        [
+            "quantize",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "q"),
+            "--max-ppl-increase",
+            "0.5",
+            "--profile",
+            str(profile_file),
+            "--max-code-bits",
+            "3",
+            "--quiet",
+            "--format",
+            "native",
+        ]
+    )
+    assert rc == 0
+    rep = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert rep["metrics"]["target"] == {"max_ppl_increase": 0.5}
+    assert rep["metrics"]["allocation"]["predicted_kl_grid_mse"] <= math.log(1.5) + 1e-12
+
+
+def test_cli_errors_are_one_line(
+    ckpt: Path, profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = [
+        (["plan", str(ckpt), "--profile", str(tmp_path / "nope.json")], "does not exist"),
+        (
+            ["plan", str(ckpt), "--profile", str(profile_file), "--avg-bits", "0.5"],
+            "below the smallest feasible budget",
+        ),
+        (
+            ["profile", str(ckpt), "--metric", "ppl", "--out", str(tmp_path / "p.json")],
+            "needs --text",
+        ),
+        (["profile", str(ckpt), "--tokens", "1", "--out", str(tmp_path / "p.json")], "--tokens 1"),
+        (
+            ["profile", str(tmp_path / "missing"), "--out", str(tmp_path / "p.json")],
+            "does not exist",
+        ),
+        (
+            ["quantize", str(ckpt), "--out", str(tmp_path / "x"), "--avg-bits", "4", "--bits", "4"],
+            "--bits",
+        ),
+    ]
+    for argv, msg in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc != 0, argv
+        assert err.count("\n") == 1 and msg in err, (argv, err)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["plan", str(ckpt), "--profile", str(bad)]) != 0
+    assert "not a valid profile" in capsys.readouterr().err
