@@ -23,10 +23,11 @@ COPY worker ./worker
 
 # ---------------------------------------------------------------- API (light: no torch)
 FROM source AS api
-# The API imports only the pure-Python parts of the engine (config, errors), so the package
-# goes in without its dependencies and only the service's are added.
+# The API imports only the torch-free parts of the engine (config, errors, and for POST
+# /v1/plans the allocator, profile and dynamic modules, which need numpy), so the package goes
+# in without its dependencies and only the service's (plus numpy) are added.
 RUN pip install \
-        "fastapi>=0.115" "uvicorn[standard]>=0.30" "pydantic>=2.7" "pydantic-settings>=2.3" \
+        "numpy>=1.26" "fastapi>=0.115" "uvicorn[standard]>=0.30" "pydantic>=2.7" "pydantic-settings>=2.3" \
         "sqlalchemy>=2.0" "alembic>=1.13" "psycopg[binary]>=3.1" "celery>=5.4" "redis>=5.0" \
         "httpx>=0.27" "prometheus-client>=0.20" "pyyaml>=6" "tqdm>=4.66" \
     && pip install --no-deps -e . \

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,9 +37,27 @@ class Settings(BaseSettings):
     events_poll_interval_s: float = Field(default=0.5, gt=0)
     # SSE streams end after this long even if the job is still running (clients reconnect).
     events_max_duration_s: float = Field(default=3600.0, gt=0)
-    # The avg_bits / max_ppl_increase targets need the dynamic HIGGS allocator; until the
-    # engine has it they are refused with a 422 rather than silently run as uniform HIGGS.
-    dynamic_targets: bool = False
+    # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
+    # off; they are then refused with a 422, never silently run as uniform HIGGS.
+    dynamic_targets: bool = True
+
+    # Dynamic HIGGS: how a model's sensitivity profile is measured (higgs_engine.profile).
+    # Data-free by default: KL from the base model on seeded random tokens, so a job needs no
+    # text. Token budget = profile_windows * profile_context (tests keep it tiny).
+    profile_metric: Literal["kl", "ppl"] = "kl"
+    profile_method: Literal["noise", "fisher"] = "noise"
+    profile_context: int = Field(default=512, ge=2)
+    profile_windows: int = Field(default=4, ge=1)
+    profile_seed: int = 0
+    # Calibration text (UTF-8 file on the worker); None = random tokens. Needed for metric ppl.
+    profile_text_file: Path | None = None
+    # Engine-side profile cache (also what makes an interrupted profile resume); the database's
+    # profiles table is the service's index of complete profiles.
+    profiles_dir: Path | None = None
+    # The allocator's budget resolution in bits per weight (plans and jobs).
+    plan_resolution: float = Field(default=1e-4, gt=0, le=0.1)
+    # Largest accepted max_ppl_increase (10 = an 11x perplexity): beyond it a "bound" is noise.
+    max_ppl_increase_limit: float = Field(default=10.0, gt=0)
 
     # Queue / worker
     task_queue: str = DEFAULT_QUEUE
@@ -66,6 +84,16 @@ class Settings(BaseSettings):
         self.artifacts_dir = self.artifacts_dir.expanduser().resolve()
         if self.models_dir is not None:
             self.models_dir = self.models_dir.expanduser().resolve()
+        if self.profiles_dir is None:
+            self.profiles_dir = self.data_dir / "profiles"
+        self.profiles_dir = self.profiles_dir.expanduser().resolve()
+        if self.profile_text_file is not None:
+            self.profile_text_file = self.profile_text_file.expanduser().resolve()
+        if self.profile_metric == "ppl" and self.profile_text_file is None:
+            raise ValueError(
+                "profile_metric='ppl' needs a calibration text: set HIGGS_PROFILE_TEXT_FILE "
+                "(or use the data-free default profile_metric='kl')"
+            )
         return self
 
     @property
@@ -74,6 +102,17 @@ class Settings(BaseSettings):
         if self.artifacts_dir is None:  # pragma: no cover - the validator always sets it
             raise RuntimeError("artifacts_dir is not set")
         return self.artifacts_dir
+
+    @property
+    def profiles_path(self) -> Path:
+        """profiles_dir, typed as always set (the validator fills it)."""
+        if self.profiles_dir is None:  # pragma: no cover - the validator always sets it
+            raise RuntimeError("profiles_dir is not set")
+        return self.profiles_dir
+
+    @property
+    def profile_token_budget(self) -> int:
+        return self.profile_windows * self.profile_context
 
     @property
     def broker_folder(self) -> Path:

@@ -39,7 +39,11 @@ from app.artifacts.manifest import artifact_row
 from app.db.models import CANCELLED, RUNNING, Job
 from app.jobs import state
 from app.settings import Settings
+from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
+from higgs_engine.progress import ProgressCallback
+from higgs_engine.report import Report
+from worker.dynamic import ProfileSettings, annotate_uniform, is_dynamic, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 
 log = logging.getLogger("worker.runner")
@@ -79,6 +83,8 @@ class RunnerConfig:
     eval_text_file: Path | None = None
     eval_context: int = 512
     eval_windows: int = 16
+    # Dynamic HIGGS (avg_bits / max_ppl_increase targets): how profiles are measured and cached.
+    profiles: ProfileSettings | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -94,6 +100,7 @@ class RunnerConfig:
             heartbeat_interval_s=max(0.2, min(15.0, settings.heartbeat_timeout_s / 4)),
             debug_layer_delay_s=max(0.0, delay),
             eval_text_file=Path(text).expanduser().resolve() if text else None,
+            profiles=ProfileSettings.from_settings(settings),
         )
 
 
@@ -159,7 +166,7 @@ class ProgressWriter:
         due = self.clock() - self._last_write >= self.min_interval
         if (changed or due or done >= total) and not self.write(stage, done, total):
             return False
-        if self.layer_delay and stage == "quantizing" and done > 0:
+        if self.layer_delay and stage in ("quantizing", "profiling") and done > 0:
             self.sleep(self.layer_delay)
         return not self.stop.is_set()
 
@@ -343,7 +350,6 @@ def _run_attempt(
     config: dict[str, Any],
     pinned: str | None,
 ) -> Path:
-    from higgs_engine.config import HiggsConfig
     from higgs_engine.pipeline import quantize_checkpoint
     from worker.models import resolve_model
 
@@ -372,9 +378,23 @@ def _run_attempt(
     staging.mkdir(parents=True, exist_ok=True)
     out = staging / "out"
     t0 = time.perf_counter()
-    report = quantize_checkpoint(
-        source.path, out, engine_cfg, writer, **_engine_kwargs(quantize_checkpoint, config, cfg.device)
-    )
+    kwargs = _engine_kwargs(quantize_checkpoint, config, cfg.device)
+
+    def quantize(path: Path, dest: Path, qcfg: HiggsConfig, progress: ProgressCallback) -> Report:
+        return quantize_checkpoint(path, dest, qcfg, progress, **kwargs)
+
+    if is_dynamic(config):
+        if cfg.profiles is None:
+            raise InvalidConfigError("this worker has no profile settings for dynamic targets")
+        menu_p = (request.get("options") or {}).get("p")
+        report = quantize_dynamic(
+            sessions, source, requested, out, engine_cfg, dict(config["target"]), menu_p,
+            cfg.profiles, writer, quantize,
+        )
+    else:
+        report = quantize(source.path, out, engine_cfg, writer)
+        if cfg.profiles is not None:
+            annotate_uniform(sessions, source, cfg.profiles, report)
     engine_s = time.perf_counter() - t0
     report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
     report.metrics.setdefault("service", {}).update(

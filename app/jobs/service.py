@@ -22,6 +22,7 @@ from app.errors import NotFoundError, NotSupportedError, ValidationFailedError
 from app.jobs import repository, state
 from app.jobs.model_ref import ModelRefError, resolve_model
 from app.jobs.schemas import JobCreate, JobOut
+from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target
 from app.settings import Settings
 from higgs_engine.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 from higgs_engine.errors import InvalidConfigError
@@ -29,7 +30,7 @@ from higgs_engine.errors import InvalidConfigError
 JOB_CONFIG_VERSION = 1
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _CONFIG_FIELD = re.compile(r"^(\w+)=")
-_DYNAMIC = ("avg_bits", "max_ppl_increase")
+_DYNAMIC = DYNAMIC_TARGETS
 
 
 class JobNotFound(NotFoundError):
@@ -84,13 +85,17 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
         if not settings.dynamic_targets:
             raise NotSupportedError.field(
                 f"target.{kind}",
-                f"target.{kind} is not supported yet: it needs the dynamic HIGGS allocator, which "
-                "this service does not offer yet; use target.bits",
+                f"target.{kind} is not supported yet: dynamic HIGGS targets are switched off on "
+                "this service (HIGGS_DYNAMIC_TARGETS=false); use target.bits",
             )
-        if not (value > 0 and value < float("inf")):
-            raise ValidationFailedError.field(
-                f"target.{kind}", f"target.{kind}={value} must be a positive number"
-            )
+        check_dynamic_target(
+            kind,
+            value,
+            group_size=opts.group_size,
+            p=opts.p,
+            n=opts.n,
+            ppl_limit=settings.max_ppl_increase_limit,
+        )
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,

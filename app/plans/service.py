@@ -1,27 +1,41 @@
-"""POST /v1/plans rules. The planner itself arrives with dynamic HIGGS: `make_plan` is the
-seam it fills (pure Python over the cached profile's data; the API never imports torch)."""
+"""POST /v1/plans: the predicted quality-versus-size curve and the per-layer allocation for a
+target, from the model's cached profile, without quantizing (API.md "Plans")."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db.models import Profile
-from app.errors import NotFoundError, NotSupportedError, ValidationFailedError
+from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.model_ref import ModelRefError, resolve_model
 from app.jobs.schemas import ModelRef, Strict, Target
+from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, compute_plan
+from app.plans.profiles import find_profiles, profile_payload
 from app.settings import Settings
+from higgs_engine.config import SUPPORTED_GRIDS
+
+
+class PlanOptions(Strict):
+    """The parts of a job's options that change sizes (and so the plan)."""
+
+    p: int | None = Field(default=None, description="restrict the menu to grids of this p")
+    group_size: int = 256
+    rotation_block: int = 1024
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
 
 
 class PlanCreate(Strict):
     model: ModelRef
-    target: Target
-    metric: str | None = Field(
+    target: Target | None = Field(
+        default=None, description="avg_bits or max_ppl_increase; omitted: the curve only"
+    )
+    metric: Literal["kl", "ppl"] | None = Field(
         default=None, description="profile metric (default: the newest profile's)"
     )
+    options: PlanOptions = Field(default_factory=PlanOptions)
 
 
 class ProfileNotFound(NotFoundError):
@@ -31,20 +45,37 @@ class ProfileNotFound(NotFoundError):
 def find_profile(
     session: Session, model_id: str, revision: str | None, metric: str | None
 ) -> Profile | None:
-    stmt = select(Profile).where(Profile.model_id == model_id)
-    if revision is not None:
-        stmt = stmt.where(Profile.revision == revision)
-    if metric is not None:
-        stmt = stmt.where(Profile.metric == metric)
-    return session.scalar(stmt.order_by(Profile.created_at.desc(), Profile.id.desc()).limit(1))
+    rows = find_profiles(session, model_id, revision, metric)
+    return rows[0] if rows else None
 
 
-def make_plan(profile: Profile, target: Target) -> dict[str, Any]:
-    """Curve + per-layer allocation for `target` from `profile.data`. Filled in by dynamic
-    HIGGS; until then it says so plainly rather than inventing figures."""
-    raise NotSupportedError.field(
-        f"target.{target.kind}",
-        "planning from a profile is not available yet: it arrives with dynamic HIGGS",
+def _check(req: PlanCreate, settings: Settings) -> None:
+    opts = req.options
+    if opts.p is not None and opts.p not in SUPPORTED_GRIDS:
+        raise ValidationFailedError.field(
+            "options.p",
+            f"options.p={opts.p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}",
+        )
+    for name, v in (("group_size", opts.group_size), ("rotation_block", opts.rotation_block)):
+        if v < 2 or v & (v - 1):
+            raise ValidationFailedError.field(
+                f"options.{name}", f"options.{name}={v} must be a power of two >= 2"
+            )
+    t = req.target
+    if t is None:
+        return
+    if t.kind not in DYNAMIC_TARGETS:
+        raise ValidationFailedError.field(
+            f"target.{t.kind}",
+            f"plans are for dynamic targets (avg_bits or max_ppl_increase), not target.{t.kind}",
+        )
+    check_dynamic_target(
+        t.kind,
+        t.value,
+        group_size=opts.group_size,
+        p=opts.p,
+        n=None,
+        ppl_limit=settings.max_ppl_increase_limit,
     )
 
 
@@ -53,11 +84,41 @@ def plan(session: Session, settings: Settings, req: PlanCreate) -> dict[str, Any
         resolve_model(req.model.id, req.model.revision, settings.models_dir)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
-    profile = find_profile(session, req.model.id, req.model.revision, req.metric)
-    if profile is None:
+    _check(req, settings)
+    row = find_profile(session, req.model.id, req.model.revision, req.metric)
+    if row is None:
         raise ProfileNotFound(
             f"no profile exists yet for model {req.model.id!r}"
             + (f" at revision {req.model.revision!r}" if req.model.revision else "")
+            + (f" with metric {req.metric!r}" if req.metric else "")
             + "; submit a job with a dynamic target (avg_bits or max_ppl_increase) to create one"
         )
-    return make_plan(profile, req.target)
+    data = profile_payload(row)
+    if data is None:  # pragma: no cover - find_profiles returns usable rows only
+        raise ProfileNotFound(f"the profile of {req.model.id!r} is not usable")
+    target = {req.target.kind: req.target.value} if req.target else None
+    opts = req.options
+    result = compute_plan(
+        data,
+        target,
+        group_size=opts.group_size,
+        rotation_block=opts.rotation_block,
+        dtype=opts.dtype,
+        p=opts.p,
+        resolution=settings.plan_resolution,
+    )
+    cfg = data["config"]
+    return {
+        "model": {"id": req.model.id, "revision": row.revision},
+        "profile": {
+            "id": row.id,
+            "metric": row.metric,
+            "method": cfg.get("method"),
+            "calibration": data.get("calibration"),
+            "tokens": row.token_budget,
+            "layers": len(data.get("layers", [])),
+            "created_at": row.created_at.isoformat(),
+            "cost": data.get("cost"),
+        },
+        **result,
+    }

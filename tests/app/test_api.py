@@ -76,9 +76,30 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
         ({"model": {"id": "tiny"}, "target": {"bits": "four"}}, "target.bits"),
         ({"model": {"id": "tiny"}, "target": {}}, "target"),
         ({"model": {"id": "tiny"}, "target": {"bits": 4, "avg_bits": 4}}, "target"),
-        ({"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}}, "target.avg_bits"),
+        ({"model": {"id": "tiny"}, "target": {"avg_bits": 0.9}}, "target.avg_bits"),
+        ({"model": {"id": "tiny"}, "target": {"avg_bits": 16.5}}, "target.avg_bits"),
+        ({"model": {"id": "tiny"}, "target": {"avg_bits": -1}}, "target.avg_bits"),
+        ({"model": {"id": "tiny"}, "target": {"avg_bits": "x"}}, "target.avg_bits"),
         (
-            {"model": {"id": "tiny"}, "target": {"max_ppl_increase": 0.05}},
+            # one fp16 scale per 64 weights: the floor is 1 + 16/64 = 1.25 bits
+            {"model": {"id": "tiny"}, "target": {"avg_bits": 1.2}, "options": {"group_size": 64}},
+            "target.avg_bits",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}, "options": {"n": 256}},
+            "options.n",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}, "options": {"p": 3}},
+            "options.p",
+        ),
+        ({"model": {"id": "tiny"}, "target": {"max_ppl_increase": 0}}, "target.max_ppl_increase"),
+        (
+            {"model": {"id": "tiny"}, "target": {"max_ppl_increase": -0.1}},
+            "target.max_ppl_increase",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"max_ppl_increase": 50}},
             "target.max_ppl_increase",
         ),
         ({"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"p": 3}}, "options.p"),
@@ -135,24 +156,32 @@ def test_invalid_requests_are_422_naming_the_field(
         assert s.scalars(select(Job)).all() == []
 
 
-def test_not_supported_message_is_clear(client: TestClient, auth: dict[str, str]) -> None:
-    r = submit(client, auth, {"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}})
-    body = assert_problem(r, 422, "target.avg_bits")
-    assert "not supported yet" in body["detail"] and body["code"] == "not_supported"
+def test_dynamic_targets_switched_off_are_a_clear_422(
+    settings: Settings, auth: dict[str, str]
+) -> None:
+    off = settings.model_copy(update={"dynamic_targets": False})
+    with TestClient(create_app(off)) as c:
+        r = c.post("/v1/jobs", json={"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}}, headers=auth)
+        body = assert_problem(r, 422, "target.avg_bits")
+        assert "not supported" in body["detail"] and body["code"] == "not_supported"
 
 
-def test_dynamic_targets_accepted_when_enabled(settings: Settings, auth: dict[str, str]) -> None:
-    on = settings.model_copy(update={"dynamic_targets": True})
-    with TestClient(create_app(on)) as c:
-        r = c.post(
-            "/v1/jobs", json={"model": {"id": "tiny"}, "target": {"avg_bits": 3.25}}, headers=auth
-        )
+def test_dynamic_targets_are_accepted_by_default(client: TestClient, auth: dict[str, str]) -> None:
+    for target in ({"avg_bits": 3.25}, {"max_ppl_increase": 0.05}, {"avg_bits": 16}):
+        r = submit(client, auth, {"model": {"id": "tiny"}, "target": target})
         assert r.status_code == 202, r.text
-        assert r.json()["config"]["target"] == {"avg_bits": 3.25}
-        bad = c.post(
-            "/v1/jobs", json={"model": {"id": "tiny"}, "target": {"avg_bits": -1}}, headers=auth
-        )
-        assert_problem(bad, 422, "target.avg_bits")
+        assert r.json()["config"]["target"] == target
+    r = submit(
+        client, auth, {"model": {"id": "tiny"}, "target": {"avg_bits": 2.5}, "options": {"p": 1}}
+    )
+    assert r.status_code == 202, r.text
+    # The range is named in the message.
+    body = assert_problem(
+        submit(client, auth, {"model": {"id": "tiny"}, "target": {"avg_bits": 0.9}}),
+        422,
+        "target.avg_bits",
+    )
+    assert "feasible range [1.062, 16]" in body["detail"]
 
 
 def test_hub_ids_are_accepted_without_network(client: TestClient, auth: dict[str, str]) -> None:

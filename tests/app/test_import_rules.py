@@ -26,7 +26,16 @@ SERVICE_LIBS = {
     "prometheus_client",
 }
 HEAVY = {"torch", "transformers", "safetensors", "huggingface_hub", "numpy", "gguf", "accelerate"}
-APP_MAY_IMPORT_FROM_ENGINE = {"higgs_engine", "higgs_engine.config", "higgs_engine.errors"}
+# config and errors are pure Python; allocator, dynamic and profile (plans from a cached
+# profile) need numpy but never torch: test_planning_never_loads_torch runs them.
+APP_MAY_IMPORT_FROM_ENGINE = {
+    "higgs_engine",
+    "higgs_engine.config",
+    "higgs_engine.errors",
+    "higgs_engine.allocator",
+    "higgs_engine.dynamic",
+    "higgs_engine.profile",
+}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -69,8 +78,8 @@ def test_app_imports_neither_worker_nor_torch() -> None:
         if top(m) in {"worker", "higgs_cli"} | HEAVY:
             return False
         if top(m) == "higgs_engine":
-            # Only the pure-Python config and errors modules (and names from the package root
-            # that those two provide).
+            # Only the torch-free modules above (and names from the package root that config
+            # and errors provide).
             return m in APP_MAY_IMPORT_FROM_ENGINE or m in {
                 "higgs_engine.HiggsConfig",
                 "higgs_engine.HiggsError",
@@ -86,10 +95,34 @@ def test_import_scanner_sees_nested_imports(tmp_path: Path) -> None:
     assert [m for _, m in imports_of(f)] == ["torch", "worker.runner"]
 
 
-@pytest.mark.parametrize("module", ["app.main", "app.jobs.state", "app.db.models", "app.settings"])
+@pytest.mark.parametrize(
+    "module", ["app.main", "app.jobs.state", "app.db.models", "app.settings", "app.plans.service"]
+)
 def test_api_process_never_loads_torch(module: str) -> None:
     code = (
         f"import sys, {module}\n"
+        "bad = sorted(m for m in ('torch', 'transformers', 'worker', 'safetensors') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_planning_never_loads_torch() -> None:
+    """POST /v1/plans runs the allocator in the API process: numpy yes, torch never."""
+    code = (
+        "import sys\n"
+        "from app.plans.planner import compute_plan\n"
+        "layers = [{'name': f'l{i}', 'shape': [64, 128], 'alpha': 0.1 * (i + 1), 'points': [],"
+        " 'tr_fisher': None} for i in range(4)]\n"
+        "prof = {'model': 'm', 'revision': 'r', 'calibration': 'random:0', 'config': {'metric': 'kl',"
+        " 'method': 'noise', 'levels': [0.005, 0.02], 'context': 8, 'windows': 1, 'seed': 0,"
+        " 'fisher_samples': 4}, 'layers': layers, 'base': {}, 'cost': {}, 'complete': True,"
+        " 'version': 1}\n"
+        "plan = compute_plan(prof, {'avg_bits': 4.0}, resolution=1e-3)\n"
+        "assert plan['allocation']['avg_bits'] <= 4.0 and plan['pareto'], plan\n"
         "bad = sorted(m for m in ('torch', 'transformers', 'worker', 'safetensors') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -120,6 +120,7 @@ def test_plans_seam(
     assert_problem(client.post("/v1/plans", json={**body, "x": 1}, headers=auth), 422, "x")
     assert_problem(client.post("/v1/plans", json=body), 401)
     with sessions() as s:
+        # A row this service did not write (no versioned payload) is never planned with.
         s.add(
             Profile(
                 model_id="org/model",
@@ -131,11 +132,9 @@ def test_plans_seam(
             )
         )
         s.commit()
-    # With a profile but no planner yet: a clear 422, never invented figures.
-    problem = assert_problem(
-        client.post("/v1/plans", json=body, headers=auth), 422, "target.avg_bits"
+    assert assert_problem(client.post("/v1/plans", json=body, headers=auth), 404)["code"] == (
+        "no_profile"
     )
-    assert "not available yet" in problem["detail"]
 
 
 def test_sse_stream_follows_the_job(

@@ -1,0 +1,140 @@
+"""Dynamic HIGGS rules shared by the API and the worker: the option menu, up-front checks of
+the avg_bits / max_ppl_increase targets, and plans computed from a cached profile.
+
+Pure Python up to `compute_plan`, which runs the engine's allocator (numpy, no torch:
+higgs_engine.allocator / dynamic / profile / grid_table import no torch, checked by
+tests/app/test_import_rules.py). The worker builds its allocation with the same menu, base
+config and resolution, so a plan shows exactly what a job with that target would get.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from app.errors import ValidationFailedError
+from higgs_engine.config import SUPPORTED_GRIDS, code_bits
+from higgs_engine.errors import InfeasibleTargetError
+
+DYNAMIC_TARGETS = ("avg_bits", "max_ppl_increase")
+# Every layer in 16 bits: a budget at or above it buys nothing more.
+AVG_BITS_CEILING = 16.0
+_SCALE_BITS = 16  # one fp16 scale per group
+
+
+def grid_menu(p: int | None = None) -> list[tuple[int, int]]:
+    """(p, n) of every grid the allocator may give a layer (restricted to one p if given);
+    "keep 16-bit" is always on the menu besides."""
+    ps = [p] if p is not None else sorted(SUPPORTED_GRIDS)
+    return [(q, n) for q in ps for n in SUPPORTED_GRIDS[q]]
+
+
+def avg_bits_floor(group_size: int, p: int | None = None) -> float:
+    """A lower bound on any feasible avg_bits: the cheapest grid's code bits plus one fp16
+    scale per group. (The exact floor depends on the model's shapes and the grids' storage;
+    the worker's allocator checks it and fails the job with infeasible_target below it.)"""
+    cheapest = min(code_bits(q, n) for q, n in grid_menu(p))
+    return cheapest + _SCALE_BITS / group_size
+
+
+def check_dynamic_target(
+    kind: str, value: float, *, group_size: int, p: int | None, n: int | None, ppl_limit: float
+) -> None:
+    """ValidationFailedError (422 naming the field) unless the target can be planned."""
+    field = f"target.{kind}"
+    if not math.isfinite(value):
+        raise ValidationFailedError.field(field, f"{field}={value} must be a finite number")
+    if p is not None and p not in SUPPORTED_GRIDS:
+        raise ValidationFailedError.field(
+            "options.p", f"options.p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}"
+        )
+    if group_size < 1:
+        raise ValidationFailedError.field(
+            "options.group_size", f"options.group_size={group_size} must be positive"
+        )
+    if n is not None:
+        raise ValidationFailedError.field(
+            "options.n",
+            f"options.n={n} fixes one grid for every layer; a dynamic target ({field}) chooses "
+            "the grid per layer (options.p may restrict the menu to one grid dimension)",
+        )
+    if kind == "avg_bits":
+        lo = avg_bits_floor(group_size, p)
+        if not lo <= value <= AVG_BITS_CEILING:
+            raise ValidationFailedError.field(
+                field,
+                f"{field}={value:g} is outside the feasible range [{lo:.4g}, {AVG_BITS_CEILING:g}] "
+                f"bits per weight (cheapest grid plus its fp16 scales at group_size={group_size}, "
+                "up to every layer kept in 16 bits)",
+            )
+    elif kind == "max_ppl_increase":
+        if not 0 < value <= ppl_limit:
+            raise ValidationFailedError.field(
+                field,
+                f"{field}={value:g} must be a relative perplexity increase in (0, {ppl_limit:g}] "
+                "(0.05 = +5%)",
+            )
+    else:  # pragma: no cover - callers pass dynamic kinds only
+        raise ValueError(f"{kind!r} is not a dynamic target")
+
+
+def compute_plan(
+    profile_data: dict[str, Any],
+    target: dict[str, float] | None,
+    *,
+    group_size: int = 256,
+    rotation_block: int = 1024,
+    dtype: str = "float16",
+    p: int | None = None,
+    resolution: float = 1e-4,
+    pareto_step: float = 0.05,
+) -> dict[str, Any]:
+    """The Pareto curve and (with a target) the per-layer allocation, from a stored profile.
+
+    Raises ValidationFailedError naming target.<kind> when the target is infeasible for this
+    model, HiggsError when the profile cannot be used."""
+    from higgs_engine.allocator import KEEP_16, Option
+    from higgs_engine.config import HiggsConfig
+    from higgs_engine.dynamic import Target, plan_allocation
+    from higgs_engine.profile import Profile
+
+    profile = Profile.from_dict(profile_data)
+    base = HiggsConfig(group_size=group_size, rotation_block=rotation_block, dtype=dtype)
+    options = [Option(q, n) for q, n in grid_menu(p)] + [Option(KEEP_16, 0)]
+    eng_target = Target(**target) if target else None
+    try:
+        plan = plan_allocation(
+            profile,
+            base,
+            eng_target,
+            options=menu_order(options),
+            resolution=resolution,
+            pareto_step=pareto_step,
+        )
+    except InfeasibleTargetError as e:
+        kind = next(iter(target)) if target else "avg_bits"
+        raise ValidationFailedError.field(f"target.{kind}", str(e)) from e
+    out = plan.to_dict()
+    if eng_target is None:
+        out["allocation"] = None
+    return out
+
+
+def menu_order(options: list[Any]) -> list[Any]:
+    """The allocator's menu order (cheapest code bits first, p=2 first at equal bits, 16-bit
+    last), which decides ties: the API and the worker must use the same order."""
+    from higgs_engine.allocator import default_options
+
+    rank = {o: i for i, o in enumerate(default_options())}
+    return sorted(options, key=lambda o: rank[o])
+
+
+__all__ = [
+    "AVG_BITS_CEILING",
+    "DYNAMIC_TARGETS",
+    "avg_bits_floor",
+    "check_dynamic_target",
+    "compute_plan",
+    "grid_menu",
+    "menu_order",
+]
