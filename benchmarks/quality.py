@@ -1,0 +1,308 @@
+"""Quality benchmark: every competitor on the same real model, on the same windows / sentences.
+
+(a) SmolLM2-135M-Instruct: every nn.Linear except lm_head; news text, context 512, 40 windows;
+    perplexity and KL(base || quantized) (base log-probs computed once).
+(b) all-MiniLM-L6-v2: every nn.Linear; 2000 news sentences; mean 1 - cosine between base and
+    quantized sentence embeddings (mean pooling, L2-normalised).
+
+Each method is applied layer by layer to an in-memory copy of the model's linear weights
+(W -> W_hat, rounded to float16 as in the dequantized artifact), so every method sees identical
+weights. The real pipeline (`quantize_checkpoint`, HIGGS p=2 n=256, dequantized artifact) is
+also run once and evaluated on the same data, to check it matches the simulated figure.
+
+Writes benchmarks/results/quality_<model>.json, .md and .png.
+
+Usage: python benchmarks/quality.py [--model smollm2|minilm|all] [--windows 40] [--sentences 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    MINILM_DIR,
+    NEWS_FILE,
+    RESULTS_DIR,
+    SMOLLM_DIR,
+    CausalLMEval,
+    EmbeddingEval,
+    SimulatedModel,
+    all_methods,
+    data_ready,
+    environment,
+    fmt,
+    load_causal_lm,
+    load_encoder,
+    markdown_table,
+    news_sentences,
+    plot_bits_vs_metric,
+    run_methods,
+    select_methods,
+    write_results,
+)
+
+# (winner, loser) pairs the issue sets as targets, on every model.
+TARGETS = [
+    ("HIGGS p=2 n=256", "RTN-4 g128"),
+    ("HIGGS p=2 n=64", "HQQ-3 g64"),
+    ("HIGGS p=2 n=64", "RTN-3 g128"),
+    ("HIGGS p=2 n=512", "NF4 b64"),
+    ("HIGGS p=2 n=512", "HQQ-4 g64"),
+]
+REAL_PATH_METHOD = "HIGGS p=2 n=256"
+
+
+def check_targets(rows: list[dict[str, Any]], metrics: list[str]) -> list[dict[str, Any]]:
+    """For each target pair present in `rows`: is the winner's metric lower, metric by metric."""
+    by = {r["method"]: r for r in rows}
+    out = []
+    for win, lose in TARGETS:
+        if win not in by or lose not in by:
+            continue
+        for m in metrics:
+            a, b = by[win].get(m), by[lose].get(m)
+            out.append(
+                {
+                    "winner": win,
+                    "loser": lose,
+                    "metric": m,
+                    "winner_value": a,
+                    "loser_value": b,
+                    "winner_bits": by[win]["bits"],
+                    "loser_bits": by[lose]["bits"],
+                    "met": a is not None and b is not None and a < b,
+                }
+            )
+    return out
+
+
+def real_path(
+    model_dir: Path, evaluator: CausalLMEval | EmbeddingEval, causal: bool
+) -> dict[str, Any]:
+    """quantize_checkpoint (HIGGS p=2 n=256, dequantized artifact) evaluated on the same data."""
+    from higgs_engine.config import HiggsConfig
+    from higgs_engine.pipeline import quantize_checkpoint
+
+    cfg = HiggsConfig(p=2, n=256, formats=("dequantized",))
+    with tempfile.TemporaryDirectory(prefix="higgs-quality-") as tmp:
+        out = Path(tmp) / "out"
+        t0 = time.perf_counter()
+        report = quantize_checkpoint(model_dir, out, cfg)
+        seconds = time.perf_counter() - t0
+        loader = load_causal_lm if causal else load_encoder
+        model, _ = loader(out / "dequantized")
+        metrics = evaluator.evaluate(model)
+        del model
+    quantized = [row for row in report.layers if row.p]
+    total = sum(row.shape[0] * row.shape[1] for row in quantized)
+    return {
+        "method": f"{REAL_PATH_METHOD} (quantize_checkpoint, dequantized artifact)",
+        "config": cfg.to_dict(),
+        "pipeline_seconds": seconds,
+        "report_bits_per_weight": report.bits_per_weight,
+        "report_bits_per_param_total": report.bits_per_param_total,
+        "report_layers_quantized": len(quantized),
+        "report_rel_error": sum(r.rel_error * r.shape[0] * r.shape[1] for r in quantized)
+        / max(total, 1),
+        **metrics,
+    }
+
+
+def bench_model(
+    label: str, model_dir: Path, causal: bool, args: argparse.Namespace
+) -> dict[str, Any]:
+    text = NEWS_FILE.read_text()
+    t_load = time.perf_counter()
+    if causal:
+        model, tok = load_causal_lm(model_dir)
+        evaluator: CausalLMEval | EmbeddingEval = CausalLMEval(
+            tok, text, args.context, args.windows
+        )
+        data = {
+            "text": "data/news.txt (gensim lee_background.cor)",
+            "context": args.context,
+            "windows": int(evaluator.windows.shape[0]),
+        }
+        metrics = ["kl", "ppl"]
+    else:
+        model, tok = load_encoder(model_dir)
+        evaluator = EmbeddingEval(tok, news_sentences(text, args.sentences))
+        data = {
+            "text": "data/news.txt (gensim lee_background.cor)",
+            "sentences": evaluator.count,
+            "pooling": "mean over attention mask, L2-normalised",
+        }
+        metrics = ["one_minus_cos"]
+    sim = SimulatedModel(model)
+    print(
+        f"[{label}] {len(sim.layers)} linear layers, {sim.weights / 1e6:.1f}M weights; "
+        f"loaded in {time.perf_counter() - t_load:.1f}s; data {data}",
+        flush=True,
+    )
+    env_before = environment()
+    t0 = time.perf_counter()
+
+    def payload(
+        rows: list[dict[str, Any]], real: dict[str, Any] | None, complete: bool
+    ) -> dict[str, Any]:
+        return {
+            "benchmark": "quality",
+            "model": label,
+            "complete": complete,
+            "model_dir": str(model_dir.relative_to(model_dir.parent.parent)),
+            "data": data,
+            "metrics": metrics,
+            "rows": rows,
+            "real_path": real,
+            "targets": check_targets(rows, metrics),
+            "wall_seconds": time.perf_counter() - t0,
+            "environment": {"start": env_before, "end": environment()},
+            "notes": "simulated quantization: each method applied layer by layer to the same "
+            "in-memory weights (W_hat rounded to float16). Quantization seconds measured on a "
+            "shared 2-core machine (noisy); see benchmarks/speed.py for the timing benchmark.",
+        }
+
+    rows = run_methods(
+        sim,
+        evaluator,
+        select_methods(args.methods),
+        log=lambda s: print(f"[{label}] {s}", flush=True),
+        keep_going=True,
+        # partial results are on disk after every method ("complete": false until the end)
+        on_row=lambda rows: save(payload(rows, None, False), args.out_dir),
+    )
+    real = None
+    if not args.no_real_path:
+        del sim, model
+        save(payload(rows, None, False), args.out_dir)
+        real = real_path(model_dir, evaluator, causal)
+        print(f"[{label}] real path: {real}", flush=True)
+    return payload(rows, real, True)
+
+
+def save(p: dict[str, Any], out_dir: Path) -> str:
+    """Write quality_<model>.json / .md / .png; return the markdown."""
+    label = p["model"]
+    md = to_markdown(p)
+    metric = p["metrics"][0]
+    base = next((r.get(metric) for r in p["rows"] if r["family"] == "base"), None)
+    plot_bits_vs_metric(
+        [r for r in p["rows"] if "error" not in r],
+        metric,
+        f"{label}: bits vs {metric} (lower is better)",
+        out_dir / f"quality_{label}.png",
+        base_value=base if base else None,
+    )
+    md += f"\n\n![bits vs {metric}](quality_{label}.png)\n"
+    write_results(f"quality_{label}", p, md, out_dir)
+    return md
+
+
+def to_markdown(p: dict[str, Any]) -> str:
+    metric_cols = {"kl": "KL from base", "ppl": "perplexity", "one_minus_cos": "1 - cos"}
+    cols = [("method", "method"), ("bits", "bits/weight"), ("rel_error", "rel. weight error t²")]
+    cols += [
+        (m, metric_cols[m]) for m in (["ppl", "kl"] if "ppl" in p["metrics"] else p["metrics"])
+    ]
+    cols += [("quant_seconds", "quant. s")]
+    d = p["data"]
+    desc = (
+        f"{d['windows']} windows x {d['context']} tokens of news text"
+        if "windows" in d
+        else f"{d['sentences']} news sentences"
+    )
+    lines = [f"### Quality: {p['model']} ({desc})", ""]
+    if not p.get("complete", True):
+        lines += ["**PARTIAL: the run was still going when this was written.**", ""]
+    order = {m.name: i for i, m in enumerate(all_methods())}
+    rows = sorted(p["rows"], key=lambda r: order.get(r["method"], len(order)))
+    lines += [markdown_table(rows, cols), ""]
+    failed = [r for r in p["rows"] if "error" in r]
+    lines += [f"- {r['method']} FAILED: {r['error']}" for r in failed] + ([""] if failed else [])
+    if p.get("real_path"):
+        r = p["real_path"]
+        sim = next((x for x in p["rows"] if x["method"] == REAL_PATH_METHOD), None)
+        figs = ", ".join(
+            f"{metric_cols[m]} {fmt(r.get(m))}" + (f" (simulated {fmt(sim.get(m))})" if sim else "")
+            for m in p["metrics"]
+        )
+        lines += [
+            f"Real pipeline check, `quantize_checkpoint` {REAL_PATH_METHOD} -> dequantized artifact: {figs}; "
+            f"report bits/weight {fmt(r['report_bits_per_weight'])}, whole checkpoint "
+            f"{fmt(r['report_bits_per_param_total'])} bits/param, pipeline {r['pipeline_seconds']:.1f} s.",
+            "",
+        ]
+    if p["targets"]:
+        lines += ["Targets (lower is better):", ""]
+        for t in p["targets"]:
+            mark = "met" if t["met"] else "NOT met"
+            lines.append(
+                f"- {t['winner']} ({fmt(t['winner_bits'])} bits) vs {t['loser']} ({fmt(t['loser_bits'])} bits), "
+                f"{metric_cols[t['metric']]}: {fmt(t['winner_value'])} vs {fmt(t['loser_value'])}: **{mark}**"
+            )
+        lines.append("")
+    env = p["environment"]["start"]
+    lines.append(
+        f"Measured {env['date']}, torch {env['torch']}, {env['torch_threads']} threads, "
+        f"load average at start {env['load_average_1_5_15']} (shared machine: seconds are noisy)."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="HIGGS vs RTN / NF4 / HQQ quality on real models")
+    ap.add_argument("--model", choices=["smollm2", "minilm", "all"], default="all")
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--sentences", type=int, default=2000)
+    ap.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
+    ap.add_argument(
+        "--no-real-path", action="store_true", help="skip the quantize_checkpoint check"
+    )
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = torch's default). On the shared 2-core machine 1 thread ran "
+        "HQQ 5x and the model 3x faster than 2 contended threads.",
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only re-render the markdown and plot of an earlier run's JSON (measures nothing)",
+    )
+    args = ap.parse_args(argv)
+    if args.render:
+        print(save(json.loads(args.render.read_text()), args.out_dir))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ok, why = data_ready()
+    if not ok:
+        print(why, file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    jobs = [("smollm2", SMOLLM_DIR, True), ("minilm", MINILM_DIR, False)]
+    for label, path, causal in jobs:
+        if args.model not in (label, "all"):
+            continue
+        md = save(bench_model(label, path, causal, args), args.out_dir)
+        print(md)
+        print(f"wrote {args.out_dir}/quality_{label}.json, .md, .png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
