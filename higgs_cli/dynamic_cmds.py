@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -245,40 +244,13 @@ def _skip(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(pat for group in args.skip for pat in group)
 
 
-class _Bar:
-    """tqdm bar per stage on stderr (off when stderr is not a terminal)."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.stage: str | None = None
-        self.bar: Any = None
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.quiet:
-            return
-        from tqdm import tqdm
-
-        if stage != self.stage:
-            self.close()
-            self.stage = stage
-            self.bar = tqdm(total=total, desc=stage, file=sys.stderr, disable=None, leave=False)
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.n = done
-            self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = _profile_config(args)
     text = _read_text(args)
+    from higgs_cli.engine_cmds import StageBars
     from higgs_engine.dynamic import get_profile
 
-    bar = _Bar(args.quiet)
+    bar = StageBars(args.quiet)
     try:
         prof = get_profile(
             args.source,

@@ -121,7 +121,7 @@ def _dynamic_hooks() -> Any:
     return dynamic_cmds
 
 
-class _Bars:
+class StageBars:
     """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY)."""
 
     def __init__(self, quiet: bool) -> None:
@@ -199,7 +199,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_engine.pipeline import quantize_checkpoint
 
     _quiet_libraries()
-    bars = _Bars(args.quiet)
+    bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
         # A dynamic target (per-layer allocation) is handled by the dynamic hooks; they return
@@ -282,7 +282,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if tok is None:
         raise CliError(f"{args.model!r} has no tokenizer files; give --base with a tokenizer")
     windows = text_windows(tokenize(tok, text), args.context, args.windows)
-    bars = _Bars(args.quiet)
+    bars = StageBars(args.quiet)
     try:
         res = evaluate_windows(model, windows, base, bars)
     finally:
