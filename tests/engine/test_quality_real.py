@@ -32,6 +32,8 @@ pytestmark = [
     pytest.mark.realdata,
     pytest.mark.slow,
     pytest.mark.skipif(not READY, reason=WHY),
+    # the module fixture runs five methods over the real models: minutes on 2 cores, more under load
+    pytest.mark.timeout(2400),
 ]
 
 METHODS = ["base", "RTN-4 g128", "NF4 b64", "HIGGS p=2 n=256", "HIGGS p=2 n=512"]
