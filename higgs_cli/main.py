@@ -130,4 +130,8 @@ def _classify(exc: BaseException) -> tuple[str, int]:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Under `python -m higgs_cli.main` this file runs as __main__, while the verb modules import
+    # higgs_cli.main: call that module's main so their CliError is the one caught above.
+    from higgs_cli.main import main as _main
+
+    sys.exit(_main())
