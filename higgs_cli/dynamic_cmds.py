@@ -372,6 +372,7 @@ def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> An
             revision=args.revision,
             token=args.token,
             overwrite=overwrite,
+            device=getattr(args, "device", None),
         )
         annotate_report(rep, prof)
         rep.save(Path(args.out) / "report.json")
@@ -414,4 +415,5 @@ def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> An
         revision=args.revision,
         token=args.token,
         overwrite=overwrite,
+        device=getattr(args, "device", None),
     )

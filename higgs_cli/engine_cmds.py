@@ -80,6 +80,11 @@ def register(subparsers: Any) -> None:
         metavar="T",
         help="Hub token (default: huggingface_hub's own HF_TOKEN / login)",
     )
+    q.add_argument(
+        "--device",
+        default="auto",
+        help="where rotation and search run: cpu, cuda, cuda:N or auto (default: CUDA if usable)",
+    )
     q.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -214,6 +219,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 revision=args.revision,
                 token=args.token,
                 overwrite=args.overwrite,
+                device=args.device,
             )
     finally:
         bars.close()
@@ -245,15 +251,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _device(name: str) -> str:
-    import torch
+    from higgs_engine.device import resolve_device
+    from higgs_engine.errors import InvalidConfigError
 
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--device {name}: CUDA is not available on this machine")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise CliError(f"--device {name!r} must be cpu, cuda, cuda:N or auto")
-    return name
+    try:
+        return str(resolve_device(name))
+    except InvalidConfigError as e:
+        raise CliError(f"--device: {e}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

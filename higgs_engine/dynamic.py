@@ -412,13 +412,21 @@ def quantize_with_allocation(
     revision: str | None = None,
     token: str | None = None,
     overwrite: bool = False,
+    device: str | None = None,
 ) -> Report:
     """quantize_checkpoint with the plan's overrides; report.json gets alphas and predictions."""
     from higgs_engine.pipeline import quantize_checkpoint
 
     cfg = config_with_allocation(base, plan.allocation)
     rep = quantize_checkpoint(
-        source, out_dir, cfg, progress, revision=revision, token=token, overwrite=overwrite
+        source,
+        out_dir,
+        cfg,
+        progress,
+        revision=revision,
+        token=token,
+        overwrite=overwrite,
+        device=device,
     )
     annotate_report(rep, profile, plan.allocation)
     rep.metrics["target"] = plan.target.to_dict() if plan.target else None
@@ -441,6 +449,7 @@ def run_dynamic(
     revision: str | None = None,
     token: str | None = None,
     overwrite: bool = False,
+    device: str | None = None,
 ) -> Report:
     """Profile (cached) -> allocate -> quantize -> annotated report. The service's entry point.
 
@@ -471,4 +480,5 @@ def run_dynamic(
         revision=revision,
         token=token,
         overwrite=overwrite,
+        device=device,
     )

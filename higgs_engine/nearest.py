@@ -10,6 +10,9 @@ closest in Euclidean distance. Fast paths:
   exactly. Tuples outside the table fall back to brute force. The table is built through a
   coarser level of candidate lists, so building costs O(cells * few) rather than O(cells * n).
 - otherwise: chunked brute force, argmin over ||c||^2 - 2 z.c.
+- tuples on an accelerator (CUDA): `nearest_points_matmul`, ALGORITHM.md's chunked matrix
+  product argmax 2 z.c - ||c||^2 in float32 on the device, whose two best points are then
+  re-checked in float64 so that float32 rounding cannot pick the wrong point at a near-tie.
 nearest_points_reference is the float64 brute-force twin the fast paths are tested against;
 the two agree except at near-ties, where the distances achieved agree to float rounding.
 """
@@ -26,10 +29,12 @@ import torch
 from higgs_engine.errors import InvalidConfigError
 
 __all__ = [
+    "SEARCH_METHODS",
     "PointLookup",
     "build_lookup",
     "nearest_points",
     "nearest_points_brute",
+    "nearest_points_matmul",
     "nearest_points_reference",
 ]
 
@@ -70,6 +75,33 @@ def nearest_points_brute(z: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         # argmin ||z - c||^2 = argmin (||c||^2 / 2 - z.c); addmm fuses the two terms.
         d = torch.addmm(half_norm[None, :], zz, g.T, alpha=-1.0)  # (k, n)
         out[s : s + step] = d.argmin(1)
+    return out
+
+
+def nearest_points_matmul(z: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Device-agnostic search (the GPU path), result on z's device.
+
+    Per chunk: float32 scores ||c||^2 / 2 - z.c as one matmul, the two best points, then their
+    exact float64 distances. fp32 alone picks the wrong point at rare near-ties; with the
+    re-check it agrees with `nearest_points_reference` except where three points are tied to
+    float32 rounding (a Voronoi vertex), and even then the distance achieved is the same to
+    rounding."""
+    _check(z, grid)
+    dev = z.device
+    g = grid.to(device=dev, dtype=torch.float32)
+    g64 = grid.to(device=dev, dtype=torch.float64)
+    half_norm = 0.5 * g.square().sum(1)  # (n,)
+    k = min(2, g.shape[0])
+    out = torch.empty(z.shape[0], dtype=torch.int64, device=dev)
+    step = max(1, BRUTE_CHUNK_ELEMENTS // g.shape[0])
+    for s in range(0, z.shape[0], step):
+        zz = z[s : s + step]
+        d = torch.addmm(half_norm[None, :], zz.to(torch.float32), g.T, alpha=-1.0)  # (c, n)
+        top = d.topk(k, dim=1, largest=False, sorted=True).indices  # (c, k)
+        exact = (g64[top] - zz.to(torch.float64)[:, None, :]).square().sum(-1)  # (c, k)
+        # argmin keeps the first of equal distances: the fp32 winner, or the lower index
+        # when fp32 also tied (topk is sorted, ties in index order on every device we use).
+        out[s : s + step] = top.gather(1, exact.argmin(1, keepdim=True)).squeeze(1)
     return out
 
 
@@ -358,12 +390,24 @@ def _nearest_2d(z: torch.Tensor, lut: PointLookup) -> torch.Tensor:
     return t
 
 
-def nearest_points(z: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Index (M,) int64 of the nearest grid point (n, p) for each row of z (M, p)."""
+SEARCH_METHODS = ("auto", "lookup", "matmul")
+
+
+def nearest_points(z: torch.Tensor, grid: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """Index (M,) int64 of the nearest grid point (n, p) for each row of z (M, p), on z's device.
+
+    method "auto": the CPU lookup tables for tuples on the CPU, `nearest_points_matmul` for
+    tuples on an accelerator; "lookup" / "matmul" force one (tests, benchmarks)."""
     _check(z, grid)
+    if method not in SEARCH_METHODS:
+        raise InvalidConfigError(f"search method {method!r} is not one of {SEARCH_METHODS}")
     p = grid.shape[1]
     if z.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=z.device)
+    if method == "matmul" or (method == "auto" and z.device.type != "cpu"):
+        return nearest_points_matmul(z, grid)
+    if z.device.type != "cpu":  # the lookup tables live on the CPU
+        return nearest_points(z.cpu(), grid, "lookup").to(z.device)
     if p == 1:
         return _nearest_1d(z, grid)
     if p == 2 and grid.shape[0] > 8:

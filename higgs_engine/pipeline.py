@@ -50,20 +50,26 @@ class OutputExistsError(HiggsError, FileExistsError):
 
 
 def quantize_layer_full(
-    w: torch.Tensor, p: int, n: int, config: HiggsConfig
+    w: torch.Tensor,
+    p: int,
+    n: int,
+    config: HiggsConfig,
+    device: torch.device | str | None = None,
 ) -> tuple[QuantizedMatrix, torch.Tensor, float]:
-    """Quantize one (out, in) float32 weight with grid (p, n): (q, W_hat float32, t^2)."""
-    from higgs_engine.quantize import dequantize_matrix, quantize_matrix, relative_error
+    """Quantize one (out, in) float32 weight with grid (p, n) on `device` (default CPU):
+    (q, W_hat float32 on the CPU, t^2)."""
+    from higgs_engine.quantize import quantize_matrix_full, relative_error
 
-    q = quantize_matrix(
+    q, w_hat = quantize_matrix_full(
         w,
         p,
         n,
         group_size=config.group_size,
         rotation_block=config.rotation_block,
         sign_seed=config.sign_seed,
+        device=device,
     )
-    w_hat = dequantize_matrix(q)
+    assert w_hat is not None
     return q, w_hat, float(relative_error(w, w_hat))
 
 
@@ -186,6 +192,7 @@ def quantize_checkpoint(
     cache_dir: Path | None = None,
     hub_cache_dir: Path | None = None,
     local_files_only: bool = False,
+    device: str | None = None,
 ) -> Report:
     """Quantize `source` (local dir, .gguf file or Hub id) into `out_dir` and return the Report.
 
@@ -194,7 +201,12 @@ def quantize_checkpoint(
     layers) and packaging; returning False or raising CancelledError cancels the run at the next
     layer boundary. On any error nothing is left at `out_dir`. An existing non-empty `out_dir`
     is refused unless `overwrite`, in which case it is replaced only once the new one is ready.
+    device: where rotation and search run ("auto" = CUDA when usable; default the CPU); the
+    checkpoint is still streamed tensor by tensor and the artifacts written from the CPU.
     """
+    from higgs_engine.device import resolve_device
+
+    dev = resolve_device(device or "cpu")
     out_dir = Path(out_dir).expanduser().absolute()
     _check_out_dir(out_dir, overwrite)
     created = _mkdir_parents(out_dir)
@@ -211,6 +223,7 @@ def quantize_checkpoint(
             cache_dir,
             hub_cache_dir,
             local_files_only,
+            dev,
         )
         _publish(tmp, out_dir)
         return rep
@@ -233,6 +246,7 @@ def _run(
     cache_dir: Path | None,
     hub_cache_dir: Path | None,
     local_files_only: bool,
+    device: torch.device,
 ) -> Report:
     from higgs_engine.artifacts import ArtifactWriter
 
@@ -289,7 +303,7 @@ def _run(
                     continue
                 p, n = pl.grid
                 w = pl.spec.weight(reader)  # (out, in) float32
-                q, w_hat, err = quantize_layer_full(w, p, n, config)
+                q, w_hat, err = quantize_layer_full(w, p, n, config, device)
                 del w
                 nbytes = writer.add_quantized(pl.spec, q, w_hat)
                 del w_hat
@@ -329,6 +343,7 @@ def _run(
         "kept_16bit": {pl.spec.name: pl.reason for pl in plans if pl.grid is None},
         "grid_bytes": writer.grid_bytes,
         "code_bits": config.code_bits,
+        "device": str(device),
         "mean_rel_error": (
             sum(r.rel_error * r.shape[0] * r.shape[1] for r in quantized) / q_numel
             if q_numel

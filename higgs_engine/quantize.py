@@ -35,6 +35,7 @@ __all__ = [
     "nearest_points",
     "nearest_points_reference",
     "quantize_matrix",
+    "quantize_matrix_full",
     "relative_error",
     "rotated_weight",
 ]
@@ -265,15 +266,46 @@ def quantize_matrix(
     rotation_block: int = 1024,
     sign_seed: int | None = None,
     grid: torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    search: str = "auto",
 ) -> QuantizedMatrix:
-    """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research)."""
+    """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research).
+
+    device: where the rotation and the nearest-point search run (default: the CPU, whatever
+    W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`)."""
+    q, _ = quantize_matrix_full(
+        W, p, n, group_size, rotation_block, sign_seed, grid,
+        device=device, search=search, dequantized=False,
+    )
+    return q
+
+
+def quantize_matrix_full(
+    W: torch.Tensor,
+    p: int,
+    n: int,
+    group_size: int = 256,
+    rotation_block: int = 1024,
+    sign_seed: int | None = None,
+    grid: torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    search: str = "auto",
+    dequantized: bool = True,
+) -> tuple[QuantizedMatrix, torch.Tensor | None]:
+    """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
+    codes while they are at hand (no pack / unpack round trip): the same values as
+    `dequantize_matrix(q)`, which the tests check."""
     _check_inputs(W, p, n, group_size, rotation_block)
+    dev = torch.device("cpu") if device is None else torch.device(device)
     out_f, in_f = W.shape
     if grid is None:
         grid = get_grid(p, n)
     elif tuple(grid.shape) != (n, p):
         raise InvalidConfigError(f"grid of shape {tuple(grid.shape)} is not ({n}, {p})")
     grid = grid.to(torch.float32)
+    grid_dev = grid.to(dev)
     layout = block_layout(in_f, rotation_block)
     lens = group_lengths(layout, group_size)
     bad = [length for length in lens if length % p]
@@ -281,14 +313,14 @@ def quantize_matrix(
         raise InvalidConfigError(
             f"scale group of length {bad[0]} (layout {layout}) is not divisible by p={p}"
         )
-    signs = None if sign_seed is None else random_signs(in_f, sign_seed)
+    signs = None if sign_seed is None else random_signs(in_f, sign_seed).to(dev)
     bits = int(math.log2(n))
     scales = torch.empty(out_f, len(lens), dtype=torch.float16)
+    w_hat = torch.empty(out_f, in_f, dtype=torch.float32) if dequantized else None
     packed: list[torch.Tensor] = []
     step = _row_chunk(in_f)
     for r0 in range(0, out_f, step):
-        # Quantization runs on CPU (the lookup tables live there); W may be on any device.
-        w = W[r0 : r0 + step].to(device="cpu", dtype=torch.float32)  # (rows, in)
+        w = W[r0 : r0 + step].to(device=dev, dtype=torch.float32)  # (rows, in)
         y = rotate(w, layout, signs)  # (rows, in)
         rms = _group_rms(y, lens, group_size)  # (rows, G)
         # A nan/inf weight makes its group's RMS non-finite: checking the (rows, G) RMS is
@@ -300,14 +332,18 @@ def quantize_matrix(
                 f"a scale group RMS of {float(rms.max()):.4g} in rows {r0}.. exceeds the fp16 range"
             )
         s16 = rms.to(torch.float16)
-        scales[r0 : r0 + step] = s16
+        scales[r0 : r0 + step] = s16.cpu()
         s = s16.to(torch.float32)
         # Divide by the stored fp16 scale so dequantization sees exactly what was coded;
         # an all-zero group (s = 0) maps to z = 0 and dequantizes to 0.
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
         z = _scale_groups_(y, inv, lens, group_size)  # (rows, in), y scaled in place
-        codes = nearest_points(z.reshape(-1, p), grid)  # (rows * in / p,)
-        packed.append(pack_codes(codes, bits))
+        codes = nearest_points(z.reshape(-1, p), grid_dev, search)  # (rows * in / p,)
+        if w_hat is not None:
+            yq = grid_dev.index_select(0, codes).reshape(w.shape[0], in_f)  # (rows, in)
+            yq = _scale_groups_(yq, s, lens, group_size)
+            w_hat[r0 : r0 + step] = unrotate(yq, layout, signs).cpu()
+        packed.append(pack_codes(codes.cpu(), bits))
     q = QuantizedMatrix(
         out_features=out_f,
         in_features=in_f,
@@ -319,7 +355,7 @@ def quantize_matrix(
         codes=torch.cat(packed) if len(packed) > 1 else packed[0],
         scales=scales,
     )
-    return q
+    return q, w_hat
 
 
 def _chunk_rotated(q: QuantizedMatrix, r0: int, r1: int, grid: torch.Tensor) -> torch.Tensor:

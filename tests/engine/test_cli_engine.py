@@ -131,6 +131,9 @@ def test_bad_inputs_get_one_line_errors(llama_ckpt: Path, tmp_path: Path) -> Non
     assert_one_line_error(
         run("quantize", str(llama_ckpt), "--out", str(out), "--format", "gguf"), "formats"
     )
+    assert_one_line_error(
+        run("quantize", str(llama_ckpt), "--out", str(out), "--device", "tpu"), "'tpu'"
+    )
     assert not out.exists()
 
     alien = tmp_path / "alien"
