@@ -6,11 +6,12 @@ artifacts, a server-less Celery transport) needs no configuration at all.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TASK_NAME = "higgs.run_job"
@@ -70,6 +71,24 @@ class Settings(BaseSettings):
     job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
     job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)
     worker_concurrency: int = Field(default=1, ge=1)
+    # A job runs in a fresh pool process only when the last one grew past this resident size
+    # (Celery's worker_max_memory_per_child): no fork + re-init between ordinary jobs.
+    worker_max_memory_mb: int = Field(default=4096, ge=64)
+    # Where the worker computes: "auto" = CUDA when torch can use it, else the CPU.
+    device: str = "auto"
+
+    # options.evaluate: perplexity and KL on this UTF-8 text on the worker (None: such jobs fail
+    # with invalid_config before quantizing), over eval_windows windows of eval_context tokens.
+    eval_text_file: Path | None = None
+    eval_context: int = Field(default=512, ge=2)
+    eval_windows: int = Field(default=16, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"device {v!r} must be auto, cpu, cuda or cuda:N")
+        return v
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -89,6 +108,8 @@ class Settings(BaseSettings):
         self.profiles_dir = self.profiles_dir.expanduser().resolve()
         if self.profile_text_file is not None:
             self.profile_text_file = self.profile_text_file.expanduser().resolve()
+        if self.eval_text_file is not None:
+            self.eval_text_file = self.eval_text_file.expanduser().resolve()
         if self.profile_metric == "ppl" and self.profile_text_file is None:
             raise ValueError(
                 "profile_metric='ppl' needs a calibration text: set HIGGS_PROFILE_TEXT_FILE "

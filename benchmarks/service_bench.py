@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from app.db.scratch import scratch_postgres
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SMOLLM = REPO / "data" / "smollm2-135m"
@@ -116,26 +118,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
-
-
-def fresh_postgres(server_url: str) -> tuple[str, Any]:
-    from sqlalchemy import text
-    from sqlalchemy.engine import make_url
-
-    from app.db.session import create_db_engine, normalise_url
-
-    admin_url = make_url(normalise_url(server_url))
-    name = f"higgs_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_db_engine(admin_url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return admin_url.set(database=name).render_as_string(hide_password=False), drop
 
 
 def tiny_model(dest: Path) -> None:
@@ -363,7 +345,7 @@ def main() -> int:
     }
     results["polling"].append(bench_polling("sqlite", None, args.clients, args.duration))
     if args.postgres_url:
-        url, drop = fresh_postgres(args.postgres_url)
+        url, drop = scratch_postgres(args.postgres_url, "higgs_bench")
         try:
             results["polling"].append(bench_polling("postgresql", url, args.clients, args.duration))
         finally:

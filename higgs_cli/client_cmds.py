@@ -6,7 +6,6 @@ Every failure is one line on stderr and a non-zero exit (ClientError), never a t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 
+from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
 from higgs_cli.main import CliError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -241,14 +241,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- download
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def safe_relpath(rel: str) -> PurePosixPath:

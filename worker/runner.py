@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ class RunnerConfig:
     heartbeat_interval_s: float
     progress_min_interval_s: float = 0.5
     debug_layer_delay_s: float = 0.0
-    # Evaluation text for jobs with options.evaluate (HIGGS_EVAL_TEXT_FILE); None = refuse them.
+    # Evaluation text for jobs with options.evaluate (settings.eval_text_file); None = refuse them.
     eval_text_file: Path | None = None
     eval_context: int = 512
     eval_windows: int = 16
@@ -89,7 +90,6 @@ class RunnerConfig:
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
         delay = float(os.environ.get(DEBUG_LAYER_DELAY_ENV, "0") or 0)
-        text = getattr(settings, "eval_text_file", None) or os.environ.get(EVAL_TEXT_ENV) or None
         return cls(
             artifacts_dir=settings.artifacts_path,
             models_dir=settings.models_dir,
@@ -99,7 +99,9 @@ class RunnerConfig:
             # Several beats per timeout, so one slow write never makes a live job look dead.
             heartbeat_interval_s=max(0.2, min(15.0, settings.heartbeat_timeout_s / 4)),
             debug_layer_delay_s=max(0.0, delay),
-            eval_text_file=Path(text).expanduser().resolve() if text else None,
+            eval_text_file=settings.eval_text_file,
+            eval_context=settings.eval_context,
+            eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
         )
 
@@ -254,7 +256,10 @@ def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
 
 
 def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
-    rows = [artifact_row(fmt, final / fmt) for fmt in formats if (final / fmt).is_dir()]
+    present = [fmt for fmt in formats if (final / fmt).is_dir()]
+    # The formats hash side by side (hashlib releases the GIL): publishing is service overhead.
+    with ThreadPoolExecutor(max_workers=max(1, len(present))) as pool:
+        rows = list(pool.map(lambda fmt: artifact_row(fmt, final / fmt), present))
     if not rows:
         raise HiggsError(f"the engine wrote none of the requested formats {formats} under {final}")
     return rows

@@ -20,7 +20,7 @@ def run_job(job_id: str) -> str:
     from worker.runner import run_job as run
 
     settings = app.conf.higgs_settings
-    cfg = RunnerConfig.from_settings(settings, detect_device())
+    cfg = RunnerConfig.from_settings(settings, detect_device(settings.device))
     outcome = run(sessions_for(settings), job_id, cfg)
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)
     return outcome.status

@@ -48,3 +48,17 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HIGGS_MAX_BODY_BYTES", "-5")
     with pytest.raises(ValidationError, match="max_body_bytes"):
         Settings()
+
+
+def test_worker_device_and_evaluation_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = tmp_path / "eval.txt"
+    monkeypatch.setenv("HIGGS_EVAL_TEXT_FILE", str(text))
+    monkeypatch.setenv("HIGGS_EVAL_WINDOWS", "3")
+    monkeypatch.setenv("HIGGS_DEVICE", "cuda:1")
+    s = Settings()
+    assert s.eval_text_file == text.resolve() and s.eval_windows == 3 and s.eval_context == 512
+    assert s.device == "cuda:1"
+    assert Settings(device="cpu").device == "cpu"
+    monkeypatch.setenv("HIGGS_DEVICE", "gpu")
+    with pytest.raises(ValidationError, match="'gpu'"):
+        Settings()

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.db.scratch import scratch_postgres
 from tests.conftest import build_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,7 +203,7 @@ def stack_factory(
             redis_url, pg_url = os.environ.get(REDIS_ENV), os.environ.get(POSTGRES_ENV)
             if not redis_url or not pg_url:
                 pytest.skip(f"{REDIS_ENV} and {POSTGRES_ENV} must both be set for the Redis + PostgreSQL e2e tests")
-            db_url, drop = _fresh_postgres(pg_url)
+            db_url, drop = scratch_postgres(pg_url, "higgs_e2e")
             cleanups.append(drop)
             env["HIGGS_DATABASE_URL"] = db_url
             env["HIGGS_BROKER_URL"] = _private_redis_db(redis_url)
@@ -228,27 +229,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, "rep_" + rep.when, rep)
-
-
-def _fresh_postgres(server_url: str) -> tuple[str, Any]:
-    """CREATE DATABASE for this test (migrated later by `alembic upgrade head`); returns a dropper."""
-    from sqlalchemy import text
-    from sqlalchemy.engine import make_url
-
-    from app.db.session import create_db_engine, normalise_url
-
-    admin_url = make_url(normalise_url(server_url))
-    name = f"higgs_e2e_{uuid.uuid4().hex[:10]}"
-    admin = create_db_engine(admin_url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return admin_url.set(database=name).render_as_string(hide_password=False), drop
 
 
 def _private_redis_db(url: str) -> str:

@@ -138,7 +138,13 @@ def test_flow_on_the_embedded_default(stack_factory: Any, tmp_path: Path) -> Non
     data = stack.data_dir
     port = free_port()
     stack.url = f"http://127.0.0.1:{port}"
-    serve = stack.spawn("serve", [*HIGGS, "serve", "--data-dir", str(data), "--port", str(port), "--grace", "10"])
+    # The tiny job quantizes in well under the client's 0.5 s poll interval: slow its layers
+    # (test-only knob) so that the progress bar is sure to see the quantizing stage.
+    serve = stack.spawn(
+        "serve",
+        [*HIGGS, "serve", "--data-dir", str(data), "--port", str(port), "--grace", "10"],
+        {"HIGGS_DEBUG_LAYER_DELAY_S": "0.15"},
+    )
     stack.wait_ready(serve, timeout=90)
     assert (data / "higgs.db").is_file() and (data / "broker").is_dir()
     key = stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)]).stdout.strip().splitlines()[-1]

@@ -243,3 +243,24 @@ def test_evaluate_without_a_text_fails_before_quantizing(
     job = _job(sessions, job_id)
     assert job.error_code == "invalid_config" and "HIGGS_EVAL_TEXT_FILE" in (job.error_message or "")
     assert "quantizing" not in (job.stage_durations or {})
+
+
+def test_runner_config_reads_the_evaluation_settings(settings: Settings, tmp_path: Path) -> None:
+    text = tmp_path / "news.txt"
+    s = settings.model_copy(update={"eval_text_file": text, "eval_windows": 5, "eval_context": 128})
+    cfg = RunnerConfig.from_settings(s, "cpu")
+    assert (cfg.eval_text_file, cfg.eval_windows, cfg.eval_context) == (text, 5, 128)
+
+
+def test_worker_device_choice(tmp_path: Path) -> None:
+    import torch
+
+    from worker.celery_app import detect_device, make_celery
+
+    assert detect_device("cpu") == "cpu"
+    assert detect_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        # Asked for but unusable: logged, and the jobs run on the CPU rather than fail.
+        assert detect_device("cuda") == "cpu"
+    conf = make_celery(Settings(data_dir=tmp_path, worker_max_memory_mb=512)).conf
+    assert conf.worker_max_memory_per_child == 512 * 1024 and not conf.worker_max_tasks_per_child
