@@ -103,10 +103,18 @@ def nf4_fn(block_size: int = 64) -> QuantFn:
     return run
 
 
-def hqq_quantize(w: torch.Tensor, nbits: int, group_size: int = 64) -> tuple[torch.Tensor, float]:
+def hqq_quantize(
+    w: torch.Tensor,
+    nbits: int,
+    group_size: int = 64,
+    *,
+    optimize: bool = True,
+    round_zero: bool = False,
+) -> tuple[torch.Tensor, float]:
     """HQQ (the `hqq` package, CPU): W_hat and its honest bits per weight.
 
-    Uses hqq's own Quantizer with its default half-quadratic optimisation, groups of
+    Uses hqq's own Quantizer with its default half-quadratic optimisation (optimize=False,
+    round_zero=True is plain min-max round-to-nearest: the RTN cross-check), groups of
     `group_size` along the input dimension (axis=1). HQQLinear keeps one scale and one zero per
     group in the float16 compute dtype, so both are rounded to float16 before dequantizing and
     counted as 2 x 16 bits per group: nbits + 32 / group_size (3.5 and 4.5 bits at g = 64).
@@ -122,8 +130,8 @@ def hqq_quantize(w: torch.Tensor, nbits: int, group_size: int = 64) -> tuple[tor
         nbits=nbits,
         channel_wise=True,
         group_size=group_size,
-        optimize=True,
-        round_zero=False,
+        optimize=optimize,
+        round_zero=round_zero,
         axis=1,
         bitpack=False,
         compute_dtype=torch.float32,
