@@ -20,7 +20,8 @@ GPU_QUEUE = "higgs.gpu"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="HIGGS_", extra="ignore")
+    # An empty variable counts as unset (compose passes ${VAR:-} through as "").
+    model_config = SettingsConfigDict(env_prefix="HIGGS_", extra="ignore", env_ignore_empty=True)
 
     data_dir: Path = Path(".higgs")
     # None -> derived from data_dir in the validator below (so the fields are always set after).

@@ -78,6 +78,10 @@ def test_every_higgs_variable_is_a_setting(compose: dict[str, Any]) -> None:
 
     fields = set(Settings.model_fields)
     env = compose["x-higgs-env"]
+    for name, svc in compose["services"].items():
+        for var in svc.get("environment") or {}:
+            if var.startswith("HIGGS_"):
+                assert var[len("HIGGS_") :].lower() in fields, f"{name}: {var} is not a Settings field"
     for var in env:
         if var.startswith("HIGGS_"):
             assert var[len("HIGGS_") :].lower() in fields, f"{var} is not a Settings field"

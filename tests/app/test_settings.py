@@ -62,3 +62,11 @@ def test_worker_device_and_evaluation_settings(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("HIGGS_DEVICE", "gpu")
     with pytest.raises(ValidationError, match="'gpu'"):
         Settings()
+
+
+def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIGGS_EVAL_TEXT_FILE", "")
+    monkeypatch.setenv("HIGGS_HF_TOKEN", "")
+    monkeypatch.setenv("HIGGS_DEVICE", "")
+    s = Settings()
+    assert s.eval_text_file is None and s.hf_token is None and s.device == "auto"
