@@ -13,6 +13,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 MARKER = "\n## Benchmarks (latest measured tables)\n"
 SECTIONS = [  # (results file stem, script that writes it)
     ("quality_smollm2", "quality.py --model smollm2"),
+    ("rtn_crosscheck", "rtn_crosscheck.py"),
     ("quality_minilm", "quality.py --model minilm"),
     ("speed", "speed.py"),
     ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
