@@ -63,6 +63,27 @@ def timing_fn(m: Method) -> Any:
     return m.fn
 
 
+def device_variants() -> dict[str, Any]:
+    """HIGGS p=2 n=256 through the accelerator path: the matmul search with its float64
+    re-check, on the CPU (what the lookup tables save) and on CUDA when there is one."""
+    from higgs_engine.quantize import quantize_matrix
+
+    out: dict[str, Any] = {
+        f"{KEY_HIGGS} matmul search (GPU path) on cpu": lambda w: quantize_matrix(
+            w, 2, 256, search="matmul"
+        )
+    }
+    if torch.cuda.is_available():
+
+        def on_cuda(w: torch.Tensor) -> Any:
+            q = quantize_matrix(w, 2, 256, device="cuda")
+            torch.cuda.synchronize()
+            return q
+
+        out[f"{KEY_HIGGS} on cuda"] = on_cuda
+    return out
+
+
 def time_once(fn: Any, weights: list[torch.Tensor]) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -72,13 +93,20 @@ def time_once(fn: Any, weights: list[torch.Tensor]) -> float:
 
 
 def bench_threads(
-    threads: int, methods: list[Method], weights: list[torch.Tensor], repeats: int, skip_hqq: bool
+    threads: int,
+    methods: list[Method],
+    weights: list[torch.Tensor],
+    repeats: int,
+    skip_hqq: bool,
+    gpu_path: bool = True,
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     numel = sum(w.numel() for w in weights)
     fns = {m.name: timing_fn(m) for m in methods if m.fn is not None}
     if skip_hqq:
         fns = {k: v for k, v in fns.items() if not k.startswith("HQQ")}
+    if gpu_path:
+        fns.update(device_variants())
     # warm-up on one matrix (grid loading, HIGGS's nearest-point lookup table build, first-call
     # allocations); timed and reported apart, since a long-lived worker pays it once per grid
     setup: dict[str, float] = {}
@@ -183,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         help="thread settings at which HQQ is timed (default: 1 only)",
     )
     ap.add_argument("--no-pipeline", action="store_true")
+    ap.add_argument(
+        "--no-gpu-path", action="store_true", help="leave out the matmul-search (GPU path) rows"
+    )
     ap.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -203,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for th in args.threads:
         threads = th or default_threads
         skip = args.skip_hqq or threads not in [t or default_threads for t in args.hqq_threads]
-        part = bench_threads(threads, methods, weights, args.repeats, skip)
+        part = bench_threads(threads, methods, weights, args.repeats, skip, not args.no_gpu_path)
         by = {r["method"]: r for r in part}
         if KEY_HIGGS in by and KEY_RTN in by:
             ratios.append(
