@@ -7,6 +7,7 @@ runs (nearest_points_matmul, quantize_matrix_full with device=...) on the CPU.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ from higgs_engine.nearest import (
 from higgs_engine.packing import unpack_codes
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix, quantize_matrix_full
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+def cuda(test: Any) -> Any:
+    """Marked `gpu` (scripts/gpu_check selects these) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
 
 
 def _codes(q) -> torch.Tensor:  # type: ignore[no-untyped-def]
