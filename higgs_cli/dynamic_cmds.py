@@ -247,9 +247,10 @@ def _skip(args: argparse.Namespace) -> tuple[str, ...]:
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = _profile_config(args)
     text = _read_text(args)
-    from higgs_cli.engine_cmds import StageBars
+    from higgs_cli.engine_cmds import StageBars, quiet_libraries
     from higgs_engine.dynamic import get_profile
 
+    quiet_libraries()  # transformers' own loading bar and warnings: stderr is ours
     bar = StageBars(args.quiet)
     try:
         prof = get_profile(

@@ -162,7 +162,7 @@ class StageBars:
             self.bar = None
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Silence transformers' own progress bars and warnings: stderr carries our bar or our
     one-line error, nothing else."""
     import transformers
@@ -203,7 +203,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)  # validate before importing torch
     from higgs_engine.pipeline import quantize_checkpoint
 
-    _quiet_libraries()
+    quiet_libraries()
     bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
@@ -274,7 +274,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from higgs_engine.artifacts import load_model
     from higgs_engine.evaluate import evaluate_windows, text_windows, tokenize
 
-    _quiet_libraries()
+    quiet_libraries()
     device = _device(args.device)
     # float32 on CPU: half precision matmuls there are slow and less accurate.
     dtype = torch.float32 if device == "cpu" else None

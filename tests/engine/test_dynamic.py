@@ -245,3 +245,18 @@ def test_cli_errors_are_one_line(
     bad.write_text("{not json")
     assert main(["plan", str(ckpt), "--profile", str(bad)]) != 0
     assert "not a valid profile" in capsys.readouterr().err
+
+
+def test_profile_quiet_prints_nothing_on_stderr(ckpt: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "higgs_cli.main", "profile", str(ckpt), "--random-tokens",
+         "--tokens", "64", "--context", "32", "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "", res.stderr  # no loading bar of transformers, no warnings
+    assert json.loads(out.read_text())["layers"]
