@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 
 from app.db.base import Base
 from app.db.migrate import upgrade_database
-from app.db.session import create_db_engine, normalise_url
+from app.db.scratch import scratch_postgres
+from app.db.session import create_db_engine
 
 POSTGRES_ENV = "HIGGS_TEST_POSTGRES_URL"
 POSTGRES_SKIP_REASON = (
@@ -43,22 +42,13 @@ def sqlite_copy(template: Path, dest: Path) -> str:
 
 @contextmanager
 def fresh_postgres_database(server_url: str) -> Iterator[str]:
-    """CREATE DATABASE higgs_test_<random> on the server, migrate it, yield its URL, DROP it."""
-    admin_url = make_url(normalise_url(server_url))
-    name = f"higgs_test_{uuid.uuid4().hex[:12]}"
-    admin = create_db_engine(
-        admin_url.render_as_string(hide_password=False), isolation_level="AUTOCOMMIT"
-    )
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = admin_url.set(database=name).render_as_string(hide_password=False)
+    """A scratch database higgs_test_<random> on the server, migrated; dropped afterwards."""
+    url, drop = scratch_postgres(server_url, "higgs_test")
     try:
         upgrade_database(url)
         yield url
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop()
 
 
 def empty_postgres(url: str) -> None:
