@@ -89,10 +89,10 @@ def fht(x: torch.Tensor) -> torch.Tensor:
     lead = y.shape[:-1]
     ha = _factor_matrix(a, cd, str(y.device))
     hb = _factor_matrix(b, cd, str(y.device))
-    # (rows, a, b): X Hb, then Ha X' computed as (X'^T Ha)^T to keep one batched matmul.
-    m = y.reshape(-1, a, b)
-    m = m @ hb  # (rows, a, b)
-    m = (m.transpose(1, 2) @ ha).transpose(1, 2)  # (rows, a, b)
+    # Each row as an (a, b) matrix X: Hn x = Ha X Hb. X Hb is one plain GEMM over all rows
+    # (rows * a, b); Ha (X Hb) is a broadcast batched product. Both factors are symmetric.
+    m = (y.reshape(-1, b) @ hb).reshape(-1, a, b)  # (rows, a, b)
+    m = torch.matmul(ha, m)  # (rows, a, b)
     return m.reshape(*lead, h).to(out_dtype)
 
 

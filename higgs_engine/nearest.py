@@ -308,6 +308,9 @@ def build_lookup(
     grid: torch.Tensor, fine_per_spacing: int = 32, max_cells: int = 2048
 ) -> PointLookup:
     """Build the two-level tables for a 2-D grid (deterministic, float64 geometry)."""
+    if not 8 <= max_cells <= 4096:
+        # _nearest_2d computes flat cell indices in float32: exact below 2^24 = 4096^2.
+        raise InvalidConfigError(f"max_cells={max_cells} must be in 8..4096")
     g = grid.to(torch.float64)
     extent = float(g.abs().max()) * 1.05 + 1e-6
     lo = -extent
@@ -372,9 +375,11 @@ def lookup_for(grid: torch.Tensor) -> PointLookup:
 
 def _nearest_2d(z: torch.Tensor, lut: PointLookup) -> torch.Tensor:
     z = z.to(torch.float32)
-    # (M, 2) fine cell coordinates, clamped into the table (outside tuples land in border cells).
-    f = (z - lut.lo).mul_(1.0 / lut.cell).clamp_(0, lut.cells - 1).to(torch.int64)
-    flat = f[:, 1].mul_(lut.cells).add_(f[:, 0])  # (M,)
+    # (M, 2) fine cell coordinates, clamped into the table (outside tuples land in border cells)
+    # and truncated; the flat index iy * cells + ix stays below 2^24, so float32 holds it
+    # exactly and a single conversion to int64 suffices.
+    u = (z - lut.lo).mul_(1.0 / lut.cell).clamp_(0, lut.cells - 1).trunc_()
+    flat = u[:, 1].mul(lut.cells).add_(u[:, 0]).to(torch.int64)  # (M,)
     # torch.gather is several times faster than advanced indexing on CPU.
     t = torch.gather(lut.table, 0, flat).to(torch.int64)  # (M,)
     sel = (t < 0).nonzero().squeeze(1)
