@@ -11,6 +11,7 @@ Helpers other test folders may import: `build_tiny_checkpoint(kind, dest, ...)`,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,15 @@ def tiny_text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "news.txt"
     path.write_text(TINY_TEXT * 12, encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module (use with pytest.mark.usefixtures): on two cores
+    shared by many processes, one thread is far faster than two contending."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

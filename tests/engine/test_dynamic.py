@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from higgs_cli.main import main
 from higgs_engine.allocator import options_up_to
@@ -28,13 +26,7 @@ from higgs_engine.profile import LayerAlpha, Profile, ProfileConfig
 from higgs_engine.report import Report
 from tests.conftest import build_tiny_checkpoint
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,31 @@ def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float
 
 def files_under(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def cancel_mid_run(
+    sessions: sessionmaker[Session],
+    job_id: str,
+    run: Callable[[], Any],
+    ready: Callable[[], Any],
+    what: str,
+    timeout: float = 60,
+) -> Any:
+    """Run `run()` (one runner attempt) in a thread, request cancellation once `ready()` holds,
+    and return the attempt's outcome after the runner stopped."""
+    import threading
+
+    from app.jobs import state
+
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(run()))
+    t.start()
+    try:
+        wait_until(ready, timeout, what)
+        with sessions() as s:
+            state.request_cancel(s, job_id)
+    finally:
+        t.join(60)
+    assert not t.is_alive(), "the runner did not stop after the cancel request"
+    assert result, "the runner thread raised"
+    return result[0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from app.settings import Settings
 from higgs_engine.dynamic import KL_TO_PPL
 from higgs_engine.report import Report
 from tests.worker.conftest import MODEL
-from tests.worker.helpers import create_job, files_under, wait_until
+from tests.worker.helpers import cancel_mid_run, create_job, files_under
 from worker.runner import RunnerConfig, run_job
 
 # native only: the dequantized copy adds time and nothing to these checks
@@ -274,21 +273,14 @@ def test_cancel_during_profiling_stops_between_layers_and_resumes_later(
 ) -> None:
     job_id = create_job(sessions, dyn_settings, AVG)
     slow = dataclasses.replace(dyn_cfg, debug_layer_delay_s=0.3, progress_min_interval_s=0.0)
-    result: list[object] = []
-    t = threading.Thread(target=lambda: result.append(run_job(sessions, job_id, slow)))
-    t.start()
-    try:
-        wait_until(
-            lambda: (j := _job(sessions, job_id)).stage == "profiling" and j.progress_done >= 2,
-            60,
-            "two profiled layers",
-        )
-        with sessions() as s:
-            state.request_cancel(s, job_id)
-    finally:
-        t.join(60)
-    assert not t.is_alive()
-    assert result and result[0].status == "cancelled"  # type: ignore[attr-defined]
+    outcome = cancel_mid_run(
+        sessions,
+        job_id,
+        lambda: run_job(sessions, job_id, slow),
+        lambda: (j := _job(sessions, job_id)).stage == "profiling" and j.progress_done >= 2,
+        "two profiled layers",
+    )
+    assert outcome.status == "cancelled"
     job = _job(sessions, job_id)
     assert job.status == "cancelled" and job.layers == [] and job.artifacts == []
     total = job.progress_total

@@ -4,7 +4,6 @@ engine; the task function is called directly, without Celery."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from app.jobs import state
 from app.settings import Settings
 from higgs_engine.errors import CancelledError, InvalidConfigError, ModelNotFoundError
 from tests.worker.conftest import MODEL
-from tests.worker.helpers import create_job, files_under, make_hub_cache, wait_until
+from tests.worker.helpers import cancel_mid_run, create_job, files_under, make_hub_cache
 from worker.runner import (
     ProgressWriter,
     RunnerConfig,
@@ -85,17 +84,15 @@ def test_cancel_while_running_leaves_nothing(
 ) -> None:
     job_id = create_job(sessions, settings, BODY)
     slow = dataclasses.replace(runner_cfg, debug_layer_delay_s=0.3, progress_min_interval_s=0.0)
-    result: list[object] = []
-    t = threading.Thread(target=lambda: result.append(run_job(sessions, job_id, slow)))
-    t.start()
-    try:
-        wait_until(lambda: _job(sessions, job_id).stage == "quantizing", 30, "the quantizing stage")
-        with sessions() as s:
-            state.request_cancel(s, job_id)
-    finally:
-        t.join(60)
-    assert not t.is_alive()
-    assert result and result[0].status == "cancelled"  # type: ignore[attr-defined]
+    outcome = cancel_mid_run(
+        sessions,
+        job_id,
+        lambda: run_job(sessions, job_id, slow),
+        lambda: _job(sessions, job_id).stage == "quantizing",
+        "the quantizing stage",
+        timeout=30,
+    )
+    assert outcome.status == "cancelled"
     job = _job(sessions, job_id)
     assert job.status == "cancelled" and job.artifacts == [] and job.layers == []
     assert files_under(settings.artifacts_path) == []
