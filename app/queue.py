@@ -7,6 +7,8 @@ enqueued_at = NULL and the worker's periodic sweep sends it later, so no accepte
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -55,10 +57,18 @@ def enqueue_job(settings: Settings, job_id: str, queue: str | None = None) -> bo
     return True
 
 
-def _ensure(conn: Connection, settings: Settings) -> None:
-    conn.ensure_connection(
-        max_retries=1, interval_start=0, interval_step=0, timeout=settings.broker_timeout_s
-    )
+@contextmanager
+def _connected(settings: Settings) -> Iterator[Connection]:
+    """A kombu connection to the broker, established (one try, settings.broker_timeout_s)."""
+    with Connection(
+        settings.broker_url,
+        transport_options=settings.broker_transport_options(),
+        connect_timeout=settings.broker_timeout_s,
+    ) as conn:
+        conn.ensure_connection(
+            max_retries=1, interval_start=0, interval_step=0, timeout=settings.broker_timeout_s
+        )
+        yield conn
 
 
 def check_broker(settings: Settings) -> None:
@@ -69,25 +79,15 @@ def check_broker(settings: Settings) -> None:
             if not Path(opts[key]).is_dir():
                 raise ConnectionError(f"broker folder {opts[key]} does not exist")
         return
-    with Connection(
-        settings.broker_url,
-        transport_options=settings.broker_transport_options(),
-        connect_timeout=settings.broker_timeout_s,
-    ) as conn:
+    with _connected(settings) as conn:
         # For Redis, kombu's channel setup sends a PING: a real round trip.
-        _ensure(conn, settings)
         _ = conn.default_channel
 
 
 def queue_depth(settings: Settings, queue: str | None = None) -> int | None:
     """Messages waiting in the broker queue, or None when it cannot be read cheaply."""
     try:
-        with Connection(
-            settings.broker_url,
-            transport_options=settings.broker_transport_options(),
-            connect_timeout=settings.broker_timeout_s,
-        ) as conn:
-            _ensure(conn, settings)
+        with _connected(settings) as conn:
             channel: Any = conn.default_channel
             size = channel._size(queue or settings.task_queue)  # kombu virtual transports
             return int(size)

@@ -109,21 +109,26 @@ def stop_children(children: Sequence[Child], grace: float) -> None:
 # ---------------------------------------------------------------- serve
 
 
+def _settings() -> Any:
+    """The service Settings from the environment; a bad HIGGS_ variable is a one-line error."""
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CliError(f"bad HIGGS_{str(first['loc'][0]).upper()}: {first['msg']}", 2) from exc
+
+
 def _prepare(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     """Settings for the children (same environment) and the database migrated to head."""
     env = dict(os.environ)
     if args.data_dir:
         env["HIGGS_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
         os.environ["HIGGS_DATA_DIR"] = env["HIGGS_DATA_DIR"]
-    from pydantic import ValidationError
-
-    from app.settings import Settings
-
-    try:
-        settings = Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise CliError(f"bad HIGGS_{str(first['loc'][0]).upper()}: {first['msg']}", 2) from exc
+    settings = _settings()
     try:
         settings.ensure_dirs()
     except OSError as exc:
@@ -214,17 +219,10 @@ def _key_sessions(data_dir: str | None) -> Any:
     """A session factory on the (migrated) service database named by the settings."""
     if data_dir:
         os.environ["HIGGS_DATA_DIR"] = str(Path(data_dir).expanduser().resolve())
-    from pydantic import ValidationError
-
     from app.db.migrate import upgrade_database
     from app.db.session import create_db_engine, session_factory
-    from app.settings import Settings
 
-    try:
-        settings = Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise CliError(f"bad HIGGS_{str(first['loc'][0]).upper()}: {first['msg']}", 2) from exc
+    settings = _settings()
     try:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         upgrade_database(settings.database_url)  # a fresh data dir gets its schema first

@@ -188,25 +188,21 @@ def record_progress(
     if stage != job.stage:
         values["stage_durations"] = _closed_stage_durations(job, now)
         values["stage_started_at"] = now
-    ok = _cas(session, job_id, [Job.status == RUNNING, *_owned(worker_id)], values)
-    if not ok:
-        session.rollback()
-        return False
-    cancel = session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
-    session.commit()
-    return not cancel
+    return _touch_running(session, job_id, worker_id, values)
 
 
 def heartbeat(session: Session, job_id: str, *, worker_id: str | None = None) -> bool:
     """Refresh heartbeat_at only. Same return value as record_progress."""
     now = utcnow()
-    ok = _cas(
-        session,
-        job_id,
-        [Job.status == RUNNING, *_owned(worker_id)],
-        {"heartbeat_at": now, "updated_at": now},
-    )
-    if not ok:
+    return _touch_running(session, job_id, worker_id, {"heartbeat_at": now, "updated_at": now})
+
+
+def _touch_running(
+    session: Session, job_id: str, worker_id: str | None, values: Mapping[str, Any]
+) -> bool:
+    """Write `values` on the job if it is running (owned by worker_id, if given) and commit.
+    True while the job should go on; False when it is not ours to run or cancel was asked."""
+    if not _cas(session, job_id, [Job.status == RUNNING, *_owned(worker_id)], values):
         session.rollback()
         return False
     cancel = session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
