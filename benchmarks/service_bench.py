@@ -25,99 +25,37 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from app.db.scratch import scratch_postgres
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the process helpers of the e2e tests (tests/e2e/stack.py)
+
+from app.db.scratch import scratch_postgres  # noqa: E402
+from tests.e2e.stack import Stack  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 SMOLLM = REPO / "data" / "smollm2-135m"
-HIGGS = [sys.executable, "-c", "from higgs_cli.main import main; raise SystemExit(main())"]
 
 
 # ---------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Stack:
-    """API + worker processes sharing one environment (as in the e2e tests)."""
-
-    def __init__(self, root: Path, env_extra: dict[str, str]) -> None:
-        self.root = root
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("HIGGS_")}
-        self.env.update(
-            {"HIGGS_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        )
-        self.env.update(env_extra)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.url = ""
-
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.root / f"{name}.log").open("wb")
-        p = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def run(self, argv: list[str]) -> str:
-        out = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
-        if out.returncode:
-            raise RuntimeError(f"{argv} failed: {out.stderr[-2000:]}")
-        return out.stdout
-
-    def migrate(self) -> None:
-        self.run([sys.executable, "-m", "alembic", "upgrade", "head"])
-
-    def start_api(self, workers: int) -> None:
-        from higgs_cli.service_cmds import api_command
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.spawn("api", api_command("127.0.0.1", port, workers, log_level="warning"))
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("the API did not become ready; see " + str(self.root / "api.log"))
-
-    def start_worker(self) -> None:
-        from higgs_cli.service_cmds import worker_command
-
-        self.spawn("worker", worker_command(name=f"bench{uuid.uuid4().hex[:4]}@%h", log_level="WARNING"))
-
-    def key(self) -> str:
-        return self.run([*HIGGS, "keys", "create", "bench"]).strip().splitlines()[-1]
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+def make_stack(root: Path, env_extra: dict[str, str]) -> Stack:
+    """API + worker processes sharing one environment, as in the e2e tests (tests/e2e/stack.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HIGGS_")}
+    env.update(
+        {"HIGGS_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    )
+    env.update(env_extra)
+    return Stack(tmp=root, env=env)
 
 
 def tiny_model(dest: Path) -> None:
@@ -178,11 +116,11 @@ def bench_polling(backend: str, db_url: str | None, clients: int, duration: floa
     env = {"HIGGS_MODELS_DIR": str(root / "models")}
     if db_url:
         env["HIGGS_DATABASE_URL"] = db_url
-    stack = Stack(root, env)
+    stack = make_stack(root, env)
     try:
         stack.migrate()
-        stack.start_api(workers=2)
-        key = stack.key()
+        stack.start_api(workers=2, timeout=90)
+        key = stack.create_key("bench")
         r = httpx.post(stack.url + "/v1/jobs", json={"model": {"id": "tiny"}, "target": {"bits": 4}},
                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
         r.raise_for_status()
@@ -221,13 +159,13 @@ def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
         (models / "smollm2-135m").symlink_to(SMOLLM)
     elif with_model:
         model_note = f"{SMOLLM} is not prepared (python scripts/prepare_data.py); real-model part skipped"
-    stack = Stack(root, {"HIGGS_MODELS_DIR": str(models)})
+    stack = make_stack(root, {"HIGGS_MODELS_DIR": str(models)})
     out: dict[str, Any] = {}
     try:
         stack.migrate()
-        stack.start_api(workers=1)
-        stack.start_worker()
-        key = stack.key()
+        stack.start_api(workers=1, timeout=90)
+        stack.start_worker(log_level="WARNING")
+        key = stack.create_key("bench")
         with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
             body = {"model": {"id": "tiny"}, "target": {"bits": 4}}
             _wait(c, c.post("/v1/jobs", json=body).json()["id"], 300)  # warm-up (worker start)

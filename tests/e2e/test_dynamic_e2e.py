@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import HIGGS, MODEL, free_port
+from tests.e2e.conftest import MODEL
+from tests.e2e.stack import HIGGS, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import HIGGS, MODEL, Stack, free_port
+from tests.e2e.conftest import MODEL
+from tests.e2e.stack import HIGGS, Stack, free_port
 from tests.worker.helpers import files_under, make_hub_cache
 
 pytestmark = pytest.mark.slow
