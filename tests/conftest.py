@@ -33,43 +33,24 @@ def _tiny_config(kind: str, **overrides: Any) -> Any:
     from transformers import Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
 
     vocab = 320
+    # The decoder-only families share these sizes; each adds what makes it itself.
+    common: dict[str, Any] = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+    )
     if kind == "llama":
         # intermediate 96 = 64 + 32: down_proj rows are covered by two rotation blocks.
-        kw: dict[str, Any] = dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-        )
+        kw = dict(common, intermediate_size=96, tie_word_embeddings=False)
         return LlamaConfig(**{**kw, **overrides})
     if kind == "qwen2":
-        kw = dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-        )
+        kw = dict(common, intermediate_size=128, tie_word_embeddings=True)
         return Qwen2Config(**{**kw, **overrides})
     if kind == "gemma2":
-        kw = dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=vocab,
-            max_position_embeddings=256,
-            sliding_window=32,
-        )
+        kw = dict(common, intermediate_size=128, head_dim=16, sliding_window=32)
         return Gemma2Config(**{**kw, **overrides})
     if kind == "gpt2":
         kw = dict(
