@@ -222,7 +222,7 @@ def _real_job(c: httpx.Client) -> dict[str, Any]:
         "service_overhead_share": round(overhead / engine_total, 4),
         "target_share": 0.10,
         "meets_target": overhead / engine_total < 0.10,
-        "device": (report.get("metrics") or {}).get("service", {}).get("device"),
+        "device": (report.get("metrics") or {}).get("device"),  # recorded by the engine
     }
 
 

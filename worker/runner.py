@@ -18,7 +18,6 @@ Directory layout under artifacts_dir:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -274,17 +273,6 @@ class Outcome:
     detail: str = ""
 
 
-def _engine_kwargs(fn: Callable[..., Any], config: dict[str, Any], device: str) -> dict[str, Any]:
-    """Optional keyword arguments the engine entry point accepts (device, evaluate)."""
-    params = inspect.signature(fn).parameters
-    kw: dict[str, Any] = {}
-    if "device" in params:
-        kw["device"] = device
-    if "evaluate" in params and "evaluate" in config:
-        kw["evaluate"] = bool(config["evaluate"])
-    return kw
-
-
 def _job_snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
     with sessions() as s:
         job = s.get(Job, job_id, populate_existing=True)
@@ -383,10 +371,9 @@ def _run_attempt(
     staging.mkdir(parents=True, exist_ok=True)
     out = staging / "out"
     t0 = time.perf_counter()
-    kwargs = _engine_kwargs(quantize_checkpoint, config, cfg.device)
 
     def quantize(path: Path, dest: Path, qcfg: HiggsConfig, progress: ProgressCallback) -> Report:
-        return quantize_checkpoint(path, dest, qcfg, progress, **kwargs)
+        return quantize_checkpoint(path, dest, qcfg, progress, device=cfg.device)
 
     if is_dynamic(config):
         if cfg.profiles is None:
@@ -403,7 +390,7 @@ def _run_attempt(
     engine_s = time.perf_counter() - t0
     report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
     report.metrics.setdefault("service", {}).update(
-        {"device": cfg.device, "worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
+        {"worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
     )
     if evaluate:
         t1 = time.perf_counter()

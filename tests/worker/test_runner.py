@@ -48,6 +48,7 @@ def test_job_runs_to_success_with_checksummed_artifacts(
     assert {"loading", "quantizing", "packaging"} <= set(job.stage_durations or {})
     assert job.report is not None and job.report["source"]["id"] == MODEL
     assert job.report["source"]["kind"] == "local"
+    assert job.report["metrics"]["device"] == "cpu"  # the runner's device reached the engine
     assert job.summary is not None and job.summary["bits_per_weight"] > 4.0
     assert len(job.layers) == len(job.report["layers"]) > 0
     assert sorted(a.format for a in job.artifacts) == ["dequantized", "native"]
