@@ -412,7 +412,7 @@ def nearest_points(z: torch.Tensor, grid: torch.Tensor, method: str = "auto") ->
     if method == "matmul" or (method == "auto" and z.device.type != "cpu"):
         return nearest_points_matmul(z, grid)
     if z.device.type != "cpu":  # the lookup tables live on the CPU
-        return nearest_points(z.cpu(), grid, "lookup").to(z.device)
+        return nearest_points(z.cpu(), grid.cpu(), "lookup").to(z.device)
     if p == 1:
         return _nearest_1d(z, grid)
     if p == 2 and grid.shape[0] > 8:

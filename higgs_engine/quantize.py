@@ -304,8 +304,7 @@ def quantize_matrix_full(
         grid = get_grid(p, n)
     elif tuple(grid.shape) != (n, p):
         raise InvalidConfigError(f"grid of shape {tuple(grid.shape)} is not ({n}, {p})")
-    grid = grid.to(torch.float32)
-    grid_dev = grid.to(dev)
+    grid = grid.to(device=dev, dtype=torch.float32)
     layout = block_layout(in_f, rotation_block)
     lens = group_lengths(layout, group_size)
     bad = [length for length in lens if length % p]
@@ -338,9 +337,9 @@ def quantize_matrix_full(
         # an all-zero group (s = 0) maps to z = 0 and dequantizes to 0.
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
         z = _scale_groups_(y, inv, lens, group_size)  # (rows, in), y scaled in place
-        codes = nearest_points(z.reshape(-1, p), grid_dev, search)  # (rows * in / p,)
+        codes = nearest_points(z.reshape(-1, p), grid, search)  # (rows * in / p,)
         if w_hat is not None:
-            yq = grid_dev.index_select(0, codes).reshape(w.shape[0], in_f)  # (rows, in)
+            yq = grid.index_select(0, codes).reshape(w.shape[0], in_f)  # (rows, in)
             yq = _scale_groups_(yq, s, lens, group_size)
             w_hat[r0 : r0 + step] = unrotate(yq, layout, signs).cpu()
         packed.append(pack_codes(codes.cpu(), bits))
