@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.artifacts.manifest import artifact_row
+from app.artifacts.manifest import artifact_rows as manifest_rows
 from app.db.models import CANCELLED, RUNNING, Job
 from app.jobs import state
 from app.settings import Settings
@@ -255,10 +254,7 @@ def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
 
 
 def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
-    present = [fmt for fmt in formats if (final / fmt).is_dir()]
-    # The formats hash side by side (hashlib releases the GIL): publishing is service overhead.
-    with ThreadPoolExecutor(max_workers=max(1, len(present))) as pool:
-        rows = list(pool.map(lambda fmt: artifact_row(fmt, final / fmt), present))
+    rows = manifest_rows({fmt: final / fmt for fmt in formats if (final / fmt).is_dir()})
     if not rows:
         raise HiggsError(f"the engine wrote none of the requested formats {formats} under {final}")
     return rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,12 +29,8 @@ def manifest_sha256(files: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def artifact_row(format: str, root: Path) -> dict[str, Any]:
-    """The artifact row app.jobs.state.succeed() takes, from the files under `root`.
-
-    {"format", "root" (absolute), "files": [{"path", "bytes", "sha256"}], "total_bytes", "sha256"}
-    """
-    root = root.resolve()
+def _files(root: Path) -> list[Path]:
+    """The regular files under an artifact directory, sorted; a symlink is refused."""
     if not root.is_dir():
         raise FileNotFoundError(f"artifact directory {root} does not exist")
     paths: list[Path] = []
@@ -43,17 +39,39 @@ def artifact_row(format: str, root: Path) -> dict[str, Any]:
             raise ValueError(f"artifact {root} contains a symlink {p}; refusing to publish it")
         if p.is_file():
             paths.append(p)
-    # hashlib releases the GIL on large buffers: the shards of a model hash side by side.
+    return paths
+
+
+def artifact_rows(dirs: Mapping[str, Path]) -> list[dict[str, Any]]:
+    """The artifact rows app.jobs.state.succeed() takes, one per {format: directory}:
+
+    {"format", "root" (absolute), "files": [{"path", "bytes", "sha256"}], "total_bytes", "sha256"}
+
+    Every file of every format is hashed in one thread pool (hashlib releases the GIL on large
+    buffers, so the formats and the shards of a model hash side by side)."""
+    roots = {fmt: root.resolve() for fmt, root in dirs.items()}
+    listed = {fmt: _files(root) for fmt, root in roots.items()}
+    paths = [p for ps in listed.values() for p in ps]
     with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1, 8))) as pool:
-        digests = list(pool.map(sha256_file, paths))
-    files: list[dict[str, Any]] = [
-        {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": d}
-        for p, d in zip(paths, digests, strict=True)
-    ]
-    return {
-        "format": format,
-        "root": str(root),
-        "files": files,
-        "total_bytes": sum(f["bytes"] for f in files),
-        "sha256": manifest_sha256((f["path"], f["sha256"]) for f in files),
-    }
+        digest = dict(zip(paths, pool.map(sha256_file, paths), strict=True))
+    rows = []
+    for fmt, root in roots.items():
+        files: list[dict[str, Any]] = [
+            {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": digest[p]}
+            for p in listed[fmt]
+        ]
+        rows.append(
+            {
+                "format": fmt,
+                "root": str(root),
+                "files": files,
+                "total_bytes": sum(f["bytes"] for f in files),
+                "sha256": manifest_sha256((f["path"], f["sha256"]) for f in files),
+            }
+        )
+    return rows
+
+
+def artifact_row(format: str, root: Path) -> dict[str, Any]:
+    """The artifact row of one format directory (see artifact_rows)."""
+    return artifact_rows({format: root})[0]
