@@ -133,10 +133,6 @@ class Settings(BaseSettings):
         return self.profiles_dir
 
     @property
-    def profile_token_budget(self) -> int:
-        return self.profile_windows * self.profile_context
-
-    @property
     def broker_folder(self) -> Path:
         return self.data_dir / "broker"
 

@@ -270,7 +270,6 @@ _ST_TORCH_DTYPES = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
     "U64": "uint64",
 }  # fmt: skip
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
 class CheckpointReader:
@@ -395,13 +394,6 @@ class CheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._info[key][1]
-
-    def st_dtype(self, key: str) -> str:
-        """The safetensors dtype string ("F32", "BF16", ...)."""
-        return self._info[key][0]
-
-    def is_float(self, key: str) -> bool:
-        return self._info[key][0] in _FLOAT_DTYPES
 
     def numel(self, key: str) -> int:
         return math.prod(self._info[key][1])

@@ -9,8 +9,8 @@ Run `python -m higgs_engine.grid_build` to regenerate the file. Nothing here run
   so nothing is truncated; the only approximation is that a whole quadrature cell is assigned to
   one grid point. Assignment uses a local search over each point's nearest grid neighbours
   (exact brute force before and after), which keeps n = 4096 to about a minute on one core.
-  Several deterministic starts are tried (a sunflower spiral with the asymptotically optimal
-  N(0, 2 I) radial density, and the product of 1-D Lloyd-Max grids); the lowest MSE wins.
+  Several deterministic starts are tried (sunflower spirals with a few radial spreads around
+  the asymptotically optimal N(0, 2 I) density); the lowest MSE wins.
 """
 
 from __future__ import annotations
@@ -197,14 +197,6 @@ def sunflower(n: int, var: float = 2.0) -> torch.Tensor:
     r = math.sqrt(var) * torch.sqrt(-2.0 * torch.log1p(-u))
     theta = k * math.pi * (3.0 - math.sqrt(5.0))
     return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1)
-
-
-def product_start(n: int) -> torch.Tensor:
-    """Product of two 1-D Lloyd-Max grids with n1 * n2 = n (n1 >= n2)."""
-    k = n.bit_length() - 1
-    a = lloyd_max_1d(1 << (k - k // 2), tol=1e-8)
-    b = lloyd_max_1d(1 << (k // 2), tol=1e-8)
-    return torch.stack(torch.meshgrid(a, b, indexing="ij"), dim=-1).reshape(-1, 2)
 
 
 def _canonical_order(c: torch.Tensor) -> torch.Tensor:

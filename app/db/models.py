@@ -96,10 +96,6 @@ class Job(Base):
         back_populates="job", cascade="all, delete-orphan", order_by="Artifact.format"
     )
 
-    @property
-    def is_terminal(self) -> bool:
-        return self.status in TERMINAL
-
 
 class JobLayer(Base):
     __tablename__ = "job_layers"

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from app.db.models import Artifact, ArtifactFile, Job, JobLayer
+from app.db.models import Artifact, Job, JobLayer
 
 
 def get_owned(session: Session, api_key_id: str, job_id: str) -> Job | None:
@@ -65,14 +65,6 @@ def artifact(session: Session, job_id: str, fmt: str) -> Artifact | None:
         select(Artifact)
         .where(Artifact.job_id == job_id, Artifact.format == fmt)
         .options(selectinload(Artifact.files))
-    )
-
-
-def artifact_file(session: Session, artifact_id: int, path: str) -> ArtifactFile | None:
-    return session.scalar(
-        select(ArtifactFile).where(
-            ArtifactFile.artifact_id == artifact_id, ArtifactFile.path == path
-        )
     )
 
 
