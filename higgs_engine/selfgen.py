@@ -1,0 +1,262 @@
+"""Self-generated text: a data-free token source sampled from the model itself.
+
+Sensitivity profiles and calibration want inputs that produce the activations the model sees in
+use. Uniform random tokens never do (no real sequence looks like them); text the model writes
+itself does, without asking the user for any data. `self_generated_tokens` samples `count`
+sequences of `length` token ids:
+
+- each sequence starts from the model's BOS token (its EOS token when it has no BOS, token 0
+  when it has neither), followed by one of a handful of neutral English prompts (``PROMPTS``)
+  when a tokenizer is given, so the sequences do not all open the same way;
+- every next token is drawn from the model's distribution at temperature ``temperature``
+  (default 1.0: the model's own distribution, which is what a KL / Fisher profile measures),
+  restricted to the nucleus of cumulative probability ``top_p`` (default 0.95: the long tail of
+  unlikely tokens, where sampling errors would derail a small model, is cut);
+- sampling uses its own ``torch.Generator`` seeded by ``seed``: the same model, seed and
+  settings give the same token ids, and the global torch RNG is left untouched;
+- an EOS token in the middle of a sequence is kept and sampling goes on (the model then starts
+  a new document), so every sequence has exactly `length` tokens.
+
+`cached_self_tokens` stores the result as safetensors under a cache directory the caller passes,
+keyed by the model's revision or content fingerprint and every sampling setting: generating
+costs `count * length` incremental forward steps once; later calls read the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.progress import ProgressCallback, report
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+SELFGEN_VERSION = 1
+
+# Neutral openings (no topic, no instruction) that vary how sequences begin.
+PROMPTS: tuple[str, ...] = (
+    "The",
+    "In",
+    "It was",
+    "A",
+    "This",
+    "When",
+    "There are",
+    "One of the",
+)
+
+
+@dataclass(frozen=True)
+class SelfGenConfig:
+    """How self-generated text is sampled. Everything that changes the tokens is in here."""
+
+    count: int = 8  # sequences
+    length: int = 512  # tokens per sequence, BOS and prompt included
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.95
+    prompts: bool = True  # start after BOS with one of PROMPTS (needs a tokenizer)
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise InvalidConfigError(f"count={self.count} must be at least 1 sequence")
+        if self.length < 2:
+            raise InvalidConfigError(f"length={self.length} must be at least 2 tokens")
+        if not (self.temperature > 0 and self.temperature < 100):
+            raise InvalidConfigError(f"temperature={self.temperature} must be in (0, 100)")
+        if not (0 < self.top_p <= 1):
+            raise InvalidConfigError(f"top_p={self.top_p} must be in (0, 1]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def start_token(model: nn.Module, tokenizer: Any = None) -> int:
+    """BOS id of the model (tokenizer first, then config); EOS when there is none; else 0."""
+    cfg: Any = getattr(model, "config", None)
+    for owner in (tokenizer, cfg):
+        for attr in ("bos_token_id", "eos_token_id"):
+            v = getattr(owner, attr, None) if owner is not None else None
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if isinstance(v, int) and v >= 0:
+                return v
+    return 0
+
+
+def _starts(model: nn.Module, tokenizer: Any, config: SelfGenConfig) -> list[list[int]]:
+    """The opening token ids of each sequence (BOS, then a prompt when there is a tokenizer)."""
+    bos = start_token(model, tokenizer)
+    out = []
+    for i in range(config.count):
+        ids = [bos]
+        if config.prompts and tokenizer is not None:
+            ids += list(tokenizer.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False))
+        out.append(ids[: config.length])
+    return out
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
+    """One token per row of logits (rows, vocab) by temperature + nucleus (top-p) sampling."""
+    import torch
+
+    probs = torch.softmax(logits.double() / temperature, dim=-1)  # (rows, vocab)
+    if top_p < 1.0:
+        sp, idx = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = (sp.cumsum(-1) - sp) >= top_p
+        sp = sp.masked_fill(drop, 0.0)
+        pick = torch.multinomial(sp, 1, generator=generator)  # (rows, 1) index into sorted
+        return idx.gather(-1, pick).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def self_generated_tokens(
+    model: nn.Module,
+    tokenizer: Any = None,
+    config: SelfGenConfig | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+) -> torch.Tensor:
+    """(count, length) int64 token ids sampled from `model` (see the module docstring).
+
+    The sequences are sampled one at a time with the model's key/value cache, so memory is one
+    sequence's cache and the result does not depend on how sequences would be batched."""
+    import torch
+
+    config = config or SelfGenConfig()
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    gen = torch.Generator().manual_seed(int(config.seed))
+    out = torch.empty(config.count, config.length, dtype=torch.int64)
+    # transformers renamed the key/value cache argument past_key_values -> cache
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for i, start in enumerate(_starts(model, tokenizer, config)):
+                ids = list(start)
+                step_in = torch.tensor([ids], dtype=torch.int64)
+                past: Any = None
+                while len(ids) < config.length:
+                    res = model(input_ids=step_in, use_cache=True, **{cache_kw: past})
+                    past = getattr(res, "cache", None)
+                    if past is None:
+                        past = res.past_key_values
+                    logits = res.logits[:, -1, :].float()  # (1, vocab')
+                    if vocab and logits.shape[-1] > vocab:
+                        logits = logits[:, :vocab]  # padded embedding rows are not tokens
+                    nxt = sample_next(logits, config.temperature, config.top_p, gen)  # (1,)
+                    ids.append(int(nxt[0]))
+                    step_in = nxt.view(1, 1)
+                out[i] = torch.tensor(ids, dtype=torch.int64)
+                report(progress, "generating", i + 1, config.count)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def selfgen_key(model_revision: str, config: SelfGenConfig) -> str:
+    """Cache key: the model's revision (or content fingerprint) and every sampling setting."""
+    blob = json.dumps(
+        {"revision": model_revision, "config": config.to_dict(), "version": SELFGEN_VERSION},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def selfgen_id(model_revision: str, config: SelfGenConfig) -> str:
+    """How a profile or report names this token source: "self:<key>"."""
+    return "self:" + selfgen_key(model_revision, config)
+
+
+def selfgen_cache_path(cache_dir: Path, model_revision: str, config: SelfGenConfig) -> Path:
+    return Path(cache_dir) / f"selfgen-{selfgen_key(model_revision, config)}.safetensors"
+
+
+def _load(path: Path, config: SelfGenConfig) -> torch.Tensor | None:
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))["tokens"]
+    except (OSError, KeyError, SafetensorError):
+        return None  # a broken cache file is regenerated, never trusted
+    if tuple(t.shape) != (config.count, config.length):
+        return None
+    return t.to(torch.int64)
+
+
+def cached_self_tokens(
+    model: nn.Module,
+    tokenizer: Any,
+    model_revision: str,
+    cache_dir: Path | None,
+    config: SelfGenConfig | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+) -> torch.Tensor:
+    """`self_generated_tokens`, read from / written to `cache_dir` (None = no cache).
+
+    `model_revision` names the weights (a hub commit or a local content fingerprint): a new
+    revision gets new text. The file is written atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = config or SelfGenConfig()
+    if not model_revision:
+        raise InvalidConfigError("model_revision must name the model's weights (empty string)")
+    path = selfgen_cache_path(cache_dir, model_revision, config) if cache_dir else None
+    if path is not None and path.is_file():
+        hit = _load(path, config)
+        if hit is not None:
+            report(progress, "generating", config.count, config.count)
+            return hit
+    toks = self_generated_tokens(model, tokenizer, config, progress=progress)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(
+            {"tokens": toks.to(torch.int64).contiguous()},
+            str(tmp),
+            metadata={"revision": model_revision, "config": json.dumps(config.to_dict())},
+        )
+        tmp.replace(path)
+    return toks
+
+
+def windows_from_sequences(tokens: torch.Tensor, windows: int, context: int) -> torch.Tensor:
+    """(windows, context) from self-generated sequences of at least `context` tokens each."""
+    if tokens.dim() != 2 or tokens.shape[0] < windows or tokens.shape[1] < context:
+        raise InvalidConfigError(
+            f"self-generated tokens of shape {tuple(tokens.shape)} cannot give {windows} "
+            f"windows of {context} tokens"
+        )
+    return tokens[:windows, :context].contiguous()
+
+
+__all__: Sequence[str] = (
+    "PROMPTS",
+    "SelfGenConfig",
+    "cached_self_tokens",
+    "sample_next",
+    "self_generated_tokens",
+    "selfgen_cache_path",
+    "selfgen_id",
+    "selfgen_key",
+    "start_token",
+    "windows_from_sequences",
+)

@@ -1,0 +1,133 @@
+"""Self-generated text on a tiny real checkpoint: seeded, cached, well-formed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from higgs_engine.dynamic import load_float_model
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.selfgen import (
+    SelfGenConfig,
+    cached_self_tokens,
+    sample_next,
+    self_generated_tokens,
+    selfgen_cache_path,
+    start_token,
+    windows_from_sequences,
+)
+from tests.conftest import build_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CFG = SelfGenConfig(count=3, length=24, seed=5)
+
+
+@pytest.fixture(scope="module")
+def model_tok(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, object]:
+    ckpt = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("selfgen") / "llama")
+    return load_float_model(ckpt)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(model_tok: tuple) -> None:
+    model, tok = model_tok
+    rng_before = torch.random.get_rng_state()
+    a = self_generated_tokens(model, tok, CFG)
+    b = self_generated_tokens(model, tok, CFG)
+    c = self_generated_tokens(model, tok, SelfGenConfig(count=3, length=24, seed=6))
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # global RNG untouched
+    assert a.shape == (3, 24) and a.dtype == torch.int64
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    vocab = int(model.config.vocab_size)
+    assert int(a.min()) >= 0 and int(a.max()) < vocab
+    bos = start_token(model, tok)
+    assert bool((a[:, 0] == bos).all())
+    # sequences open with different neutral prompts
+    assert len({tuple(row[:3].tolist()) for row in a}) > 1
+
+
+def test_tokens_follow_the_model(model_tok: tuple) -> None:
+    """Sampled continuations are likelier under the model than uniform random tokens."""
+    model, tok = model_tok
+    gen = self_generated_tokens(model, tok, SelfGenConfig(count=4, length=32, seed=1))
+    rnd = torch.randint(
+        0, int(model.config.vocab_size), gen.shape, generator=torch.Generator().manual_seed(0)
+    )
+    rnd[:, 0] = gen[:, 0]
+
+    def nll(ids: torch.Tensor) -> float:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+        return float(-lp.gather(-1, ids[:, 1:, None]).mean())
+
+    assert nll(gen) < nll(rnd)
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, 0.8, g)[0]) for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {int(sample_next(logits, 1.0, 1.0, g)[0]) for _ in range(400)}
+    assert draws == {0, 1, 2, 3}
+    # a tiny top_p still keeps the most likely token
+    assert {int(sample_next(logits, 1.0, 0.01, g)[0]) for _ in range(50)} == {0}
+
+
+def test_cache_hit_and_keying(
+    model_tok: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok = model_tok
+    first = cached_self_tokens(model, tok, "rev-a", tmp_path, CFG)
+    path = selfgen_cache_path(tmp_path, "rev-a", CFG)
+    assert path.is_file()
+    calls: list[int] = []
+    import higgs_engine.selfgen as sg
+
+    real = sg.self_generated_tokens
+
+    def counting(*a: object, **k: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sg, "self_generated_tokens", counting)
+    again = cached_self_tokens(model, tok, "rev-a", tmp_path, CFG)
+    assert torch.equal(first, again) and calls == []  # served from the file
+    # another revision or another setting is another file
+    cached_self_tokens(model, tok, "rev-b", tmp_path, CFG)
+    assert calls == [1]
+    assert selfgen_cache_path(tmp_path, "rev-b", CFG) != path
+    assert selfgen_cache_path(tmp_path, "rev-a", SelfGenConfig(count=3, length=24, seed=6)) != path
+    # a corrupt cache file is regenerated, not trusted
+    path.write_bytes(b"not a safetensors file")
+    fixed = cached_self_tokens(model, tok, "rev-a", tmp_path, CFG)
+    assert torch.equal(fixed, first) and calls == [1, 1]
+
+
+def test_no_tokenizer_starts_from_bos_only(model_tok: tuple) -> None:
+    model, _ = model_tok
+    a = self_generated_tokens(model, None, SelfGenConfig(count=2, length=10, seed=0))
+    assert bool((a[:, 0] == start_token(model)).all())
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(InvalidConfigError, match="top_p"):
+        SelfGenConfig(top_p=0.0)
+    with pytest.raises(InvalidConfigError, match="temperature"):
+        SelfGenConfig(temperature=0.0)
+    with pytest.raises(InvalidConfigError, match="length"):
+        SelfGenConfig(length=1)
+    with pytest.raises(InvalidConfigError, match="windows"):
+        windows_from_sequences(torch.zeros(2, 8, dtype=torch.int64), 3, 8)
+    assert windows_from_sequences(torch.arange(32).view(2, 16), 2, 8).shape == (2, 8)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_other_architectures(kind: str, tmp_path: Path) -> None:
+    model, tok = load_float_model(build_tiny_checkpoint(kind, tmp_path / kind))
+    cfg = SelfGenConfig(count=2, length=12, seed=3)
+    a = self_generated_tokens(model, tok, cfg)
+    assert a.shape == (2, 12) and torch.equal(a, self_generated_tokens(model, tok, cfg))
