@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR  # noqa: E402
+from devtools.quality import (  # noqa: E402
     ARTIFACT_DTYPE,
     NEWS_FILE,
-    RESULTS_DIR,
     SMOLLM_DIR,
     CausalLMEval,
     Method,

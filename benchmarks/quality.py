@@ -30,25 +30,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    fmt,
+    markdown_table,
+    plot_bits_vs_metric,
+    write_results,
+)
+from devtools.quality import (  # noqa: E402
     MINILM_DIR,
     NEWS_FILE,
-    RESULTS_DIR,
     SMOLLM_DIR,
     CausalLMEval,
     EmbeddingEval,
     SimulatedModel,
     all_methods,
     data_ready,
-    environment,
-    fmt,
     load_causal_lm,
     load_encoder,
-    markdown_table,
     news_sentences,
-    plot_bits_vs_metric,
     run_methods,
     select_methods,
-    write_results,
 )
 
 # (winner, loser) pairs the issue sets as targets, on every model.

@@ -18,18 +18,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import (  # noqa: E402
-    SMOLLM_DIR,
-    environment,
-    fmt,
-    hqq_quantize,
-    linear_layers,
-    load_causal_lm,
-    write_results,
-)
-
+from benchmarks.common import environment, fmt, write_results  # noqa: E402
+from devtools.quality import SMOLLM_DIR, hqq_quantize, linear_layers, load_causal_lm  # noqa: E402
 from higgs_engine.baselines import rtn_quantize  # noqa: E402
 
 

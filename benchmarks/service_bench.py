@@ -36,10 +36,10 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the process helpers of the e2e tests (tests/e2e/stack.py)
+sys.path.insert(0, str(REPO))  # the development helpers (devtools/)
 
-from app.db.scratch import scratch_postgres  # noqa: E402
-from tests.e2e.stack import Stack  # noqa: E402
+from devtools.scratch import scratch_postgres  # noqa: E402
+from devtools.stack import Stack  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SMOLLM = REPO / "data" / "smollm2-135m"
@@ -49,7 +49,7 @@ SMOLLM = REPO / "data" / "smollm2-135m"
 
 
 def make_stack(root: Path, env_extra: dict[str, str]) -> Stack:
-    """API + worker processes sharing one environment, as in the e2e tests (tests/e2e/stack.py)."""
+    """API + worker processes sharing one environment, as in the e2e tests (devtools/stack.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HIGGS_")}
     env.update(
         {"HIGGS_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}

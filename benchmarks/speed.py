@@ -29,16 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
-    SMOLLM_DIR,
-    Method,
-    data_ready,
-    environment,
-    markdown_table,
-    select_methods,
-    write_results,
-)
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
+from devtools.quality import SMOLLM_DIR, Method, data_ready, select_methods  # noqa: E402
 
 KEY_HIGGS = "HIGGS p=2 n=256"
 KEY_RTN = "RTN-4 g128"

@@ -16,8 +16,8 @@ from sqlalchemy import text
 
 from app.db.base import Base
 from app.db.migrate import upgrade_database
-from app.db.scratch import scratch_postgres
 from app.db.session import create_db_engine
+from devtools.scratch import scratch_postgres
 
 POSTGRES_ENV = "HIGGS_TEST_POSTGRES_URL"
 POSTGRES_SKIP_REASON = (

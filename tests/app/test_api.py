@@ -17,7 +17,7 @@ from app.keys.service import create_key, revoke_key
 from app.main import create_app
 from app.queue import queue_depth
 from app.settings import Settings
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 BODY: dict[str, Any] = {"model": {"id": "tiny"}, "target": {"bits": 4}}
 

@@ -21,7 +21,7 @@ from app.artifacts.download import TarMember, parse_range, tar_size, tar_stream
 from app.artifacts.manifest import artifact_row, manifest_sha256
 from app.errors import RangeNotSatisfiableError
 from app.jobs import state
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 BODY = {"model": {"id": "tiny"}, "target": {"bits": 4}}
 

@@ -23,7 +23,7 @@ from app.jobs import state
 from app.main import create_app
 from app.queue import queue_depth
 from app.settings import Settings
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 BODY = {"model": {"id": "tiny"}, "target": {"bits": 4}}
 

@@ -16,7 +16,7 @@ from app.plans.profiles import find_profiles, store_profile
 from higgs_engine.allocator import KEEP_16, Option, build_problem, solve
 from higgs_engine.dynamic import KL_TO_PPL
 from higgs_engine.profile import Profile
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 SHA = "a" * 40
 # Shapes of a small model whose rows span whole scale groups: 8 layers, alphas 300x apart.

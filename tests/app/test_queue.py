@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.queue import check_broker, enqueue_job, queue_depth
 from app.settings import TASK_NAME, Settings
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 REDIS_ENV = "HIGGS_TEST_REDIS_URL"
 

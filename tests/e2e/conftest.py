@@ -16,21 +16,18 @@ from typing import Any
 
 import pytest
 
-from app.db.scratch import scratch_postgres
-from tests.conftest import build_tiny_checkpoint
-from tests.e2e.stack import Stack
+from devtools.scratch import scratch_postgres
+from devtools.stack import Stack
+from tests.fixtures import TINY_MODEL, build_tiny_checkpoint
 
 REDIS_ENV = "HIGGS_TEST_REDIS_URL"
 POSTGRES_ENV = "HIGGS_TEST_POSTGRES_URL"
-# The tiny model the e2e jobs quantize, and one whose job is slowed down (test-only knob
-# HIGGS_DEBUG_LAYER_DELAY_S) so that it can be killed or cancelled in the middle.
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="session")
 def e2e_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("e2e-models")
-    build_tiny_checkpoint("llama", root / MODEL)
+    build_tiny_checkpoint("llama", root / TINY_MODEL)
     return root
 
 

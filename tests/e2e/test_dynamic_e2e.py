@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import MODEL
-from tests.e2e.stack import HIGGS, free_port
+from devtools.stack import HIGGS, free_port
+from tests.fixtures import TINY_MODEL as MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL
-from tests.e2e.stack import HIGGS, Stack, free_port
-from tests.worker.helpers import files_under, make_hub_cache
+from devtools.stack import HIGGS, Stack, free_port
+from tests.fixtures import TINY_MODEL as MODEL
+from tests.fixtures import files_under, make_hub_cache
 
 pytestmark = pytest.mark.slow
 

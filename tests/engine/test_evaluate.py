@@ -24,7 +24,7 @@ from higgs_engine.evaluate import (
 def models(
     llama_ckpt: Path, tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ):
-    from tests.conftest import build_tiny_checkpoint
+    from tests.fixtures import build_tiny_checkpoint
 
     other = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("other") / "llama_seed1", seed=1)
     base = AutoModelForCausalLM.from_pretrained(str(llama_ckpt), dtype=torch.float32).eval()

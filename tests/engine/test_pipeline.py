@@ -212,7 +212,7 @@ def test_overrides_skip_and_mixed_grids(llama_ckpt: Path, tmp_path: Path) -> Non
 
 
 def test_odd_in_features_stay_16bit(tmp_path: Path) -> None:
-    from tests.conftest import build_tiny_checkpoint
+    from tests.fixtures import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint("llama", tmp_path / "odd", intermediate_size=99, tokenizer=False)
     rep = quantize_checkpoint(ckpt, tmp_path / "o", CFG)

@@ -19,7 +19,7 @@ from higgs_engine.profile import (
     compute_profile,
     fit_through_origin,
 )
-from tests.conftest import TINY_TEXT, build_tiny_checkpoint
+from tests.fixtures import TINY_TEXT, build_tiny_checkpoint
 
 CFG = ProfileConfig(context=32, windows=2)
 

@@ -3,7 +3,7 @@
 SmolLM2-135M on 8 windows of 512 news tokens (KL from the base model) and all-MiniLM-L6-v2 on
 300 news sentences (mean 1 - cosine of sentence embeddings): HIGGS p=2 n=256 must beat RTN-4
 g128 and HIGGS p=2 n=512 must beat NF4 b64, both at fewer or about equal bits. Same code as
-benchmarks/quality.py (benchmarks/common.py). Needs data/ from scripts/prepare_data.py.
+benchmarks/quality.py (devtools/quality.py). Needs data/ from scripts/prepare_data.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import (
+from devtools.quality import (
     MINILM_DIR,
     NEWS_FILE,
     SMOLLM_DIR,

@@ -12,10 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db.migrate import upgrade_database
 from app.db.session import create_db_engine, session_factory
 from app.settings import Settings
-from tests.conftest import build_tiny_checkpoint
+from tests.fixtures import TINY_MODEL, build_tiny_checkpoint
 from worker.runner import RunnerConfig
-
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +25,9 @@ def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """HIGGS_MODELS_DIR with one tiny random Llama named MODEL."""
+    """HIGGS_MODELS_DIR with one tiny random Llama named TINY_MODEL."""
     root = tmp_path_factory.mktemp("models")
-    build_tiny_checkpoint("llama", root / MODEL)
+    build_tiny_checkpoint("llama", root / TINY_MODEL)
     return root
 
 

@@ -1,49 +1,15 @@
-"""Helpers shared by the worker and end-to-end tests: a real Hugging Face cache layout, jobs
-created through the API's own service functions, and a poll loop."""
+"""Helpers of the worker tests: jobs created through the API's own service functions, a poll
+loop, and a runner attempt cancelled in the middle."""
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
 T = TypeVar("T")
-
-
-def make_hub_cache(hub_cache: Path, repo_id: str, checkpoint: Path, branch: str = "main") -> str:
-    """Lay `checkpoint` out as huggingface_hub stores a download, and return the commit sha:
-
-        <hub_cache>/models--<owner>--<name>/blobs/<sha256 of each file>
-                                           /snapshots/<commit>/<file> -> ../../blobs/<sha256>
-                                           /refs/<branch>   (contains <commit>)
-    """
-    owner_name = repo_id.replace("/", "--")
-    repo = hub_cache / f"models--{owner_name}"
-    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-    commit = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
-    snap = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    for p in files:
-        data = p.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        dest = snap / p.relative_to(checkpoint)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        depth = len(p.relative_to(checkpoint).parts) + 1
-        dest.symlink_to(Path(*([".."] * depth), "blobs", blob.name))
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / branch).write_text(commit)
-    return commit
-
-
-def copy_checkpoint(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest)
-    return dest
 
 
 def create_job(
@@ -71,10 +37,6 @@ def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
-
-
-def files_under(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
 def cancel_mid_run(

@@ -24,8 +24,9 @@ from app.main import create_app
 from app.settings import Settings
 from higgs_engine.dynamic import KL_TO_PPL
 from higgs_engine.report import Report
-from tests.worker.conftest import MODEL
-from tests.worker.helpers import cancel_mid_run, create_job, files_under
+from tests.fixtures import TINY_MODEL as MODEL
+from tests.fixtures import files_under
+from tests.worker.helpers import cancel_mid_run, create_job
 from worker.runner import RunnerConfig, run_job
 
 # native only: the dequantized copy adds time and nothing to these checks

@@ -14,8 +14,9 @@ from app.db.models import Job
 from app.jobs import state
 from app.settings import Settings
 from higgs_engine.errors import CancelledError, InvalidConfigError, ModelNotFoundError
-from tests.worker.conftest import MODEL
-from tests.worker.helpers import cancel_mid_run, create_job, files_under, make_hub_cache
+from tests.fixtures import TINY_MODEL as MODEL
+from tests.fixtures import files_under, make_hub_cache
+from tests.worker.helpers import cancel_mid_run, create_job
 from worker.runner import (
     ProgressWriter,
     RunnerConfig,
@@ -218,7 +219,7 @@ def test_error_codes() -> None:
 def test_evaluate_records_perplexity_and_kl(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig, tmp_path: Path
 ) -> None:
-    from tests.conftest import TINY_TEXT
+    from tests.fixtures import TINY_TEXT
 
     text = tmp_path / "eval.txt"
     text.write_text(TINY_TEXT * 12)

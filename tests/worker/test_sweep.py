@@ -14,7 +14,7 @@ from app.db.models import Job
 from app.jobs import state
 from app.queue import enqueue_job
 from app.settings import TASK_NAME, Settings
-from tests.worker.conftest import MODEL
+from tests.fixtures import TINY_MODEL as MODEL
 from tests.worker.helpers import create_job
 from worker.runner import RunnerConfig, run_job
 from worker.sweep import SweepThread, sweep

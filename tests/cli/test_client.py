@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.stack import HIGGS, REPO, free_port
+from devtools.stack import HIGGS, REPO, free_port
 
 
 def higgs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from app.db.session import create_db_engine, session_factory
 from app.keys.service import hash_key
 from app.main import create_app
 from app.settings import Settings
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""Throwaway PostgreSQL databases for the end-to-end tests and the service benchmark."""
+"""Throwaway PostgreSQL databases for the tests and the service benchmark (CREATE DATABASE and
+DROP DATABASE on a server the caller names: development only, never part of the service)."""
 
 from __future__ import annotations
 

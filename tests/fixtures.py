@@ -1,0 +1,165 @@
+"""Helpers the test folders share (import them from here, never from a conftest):
+
+- tiny but real Hugging Face checkpoints: `build_tiny_checkpoint(kind, dest, ...)` writes a
+  random small model of one of TINY_KINDS with transformers' `save_pretrained` (safetensors)
+  plus a byte-level BPE tokenizer trained in memory on TINY_TEXT (no network, no downloaded
+  weights); TINY_MODEL is the name the worker and end-to-end tests give such a model;
+- `make_hub_cache`: a checkpoint laid out as huggingface_hub stores a download;
+- `files_under`: every file below a folder, sorted;
+- `assert_problem`: an RFC 9457 problem+json response with a given status (and field).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+TINY_KINDS = ("llama", "qwen2", "gemma2", "gpt2")
+
+# A few sentences of plain English, repeated: enough tokens for several eval windows.
+TINY_TEXT = (
+    "The committee met on Tuesday to discuss the new budget for the city library. "
+    "Several members argued that the reading rooms needed longer opening hours, "
+    "while others wanted to spend the money on digital services and new computers. "
+    "After a long debate the council agreed to fund both projects over two years. "
+    "Local residents welcomed the decision and said the library was the heart of town. "
+)
+
+
+def _tiny_config(kind: str, **overrides: Any) -> Any:
+    from transformers import Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
+
+    vocab = 320
+    # The decoder-only families share these sizes; each adds what makes it itself.
+    common: dict[str, Any] = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+    )
+    if kind == "llama":
+        # intermediate 96 = 64 + 32: down_proj rows are covered by two rotation blocks.
+        kw = dict(common, intermediate_size=96, tie_word_embeddings=False)
+        return LlamaConfig(**{**kw, **overrides})
+    if kind == "qwen2":
+        kw = dict(common, intermediate_size=128, tie_word_embeddings=True)
+        return Qwen2Config(**{**kw, **overrides})
+    if kind == "gemma2":
+        kw = dict(common, intermediate_size=128, head_dim=16, sliding_window=32)
+        return Gemma2Config(**{**kw, **overrides})
+    if kind == "gpt2":
+        kw = dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=vocab,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return GPT2Config(**{**kw, **overrides})
+    raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {TINY_KINDS}")
+
+
+def build_tiny_tokenizer(dest: Path) -> Path:
+    """Train a byte-level BPE (vocab < 320) on TINY_TEXT and save it as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator([TINY_TEXT * 4], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(dest))
+    return dest
+
+
+def build_tiny_checkpoint(
+    kind: str,
+    dest: Path,
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random tiny `kind` model (see TINY_KINDS) to `dest` as safetensors (+ tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(kind, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init at std 0.02 makes every layer look alike; widen a few rows so that the
+    # quantizer sees some outliers, as in real checkpoints.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(0.05 * torch.randn(p.shape, generator=g) ** 3)
+    dest.mkdir(parents=True, exist_ok=True)
+    kw: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        kw["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(dest), **kw)
+    if tokenizer:
+        build_tiny_tokenizer(dest)
+    return dest
+
+
+# The name the worker and end-to-end tests give the tiny Llama in their models folder.
+TINY_MODEL = "tiny"
+
+
+def make_hub_cache(hub_cache: Path, repo_id: str, checkpoint: Path, branch: str = "main") -> str:
+    """Lay `checkpoint` out as huggingface_hub stores a download, and return the commit sha:
+
+    <hub_cache>/models--<owner>--<name>/blobs/<sha256 of each file>
+                                       /snapshots/<commit>/<file> -> ../../blobs/<sha256>
+                                       /refs/<branch>   (contains <commit>)
+    """
+    owner_name = repo_id.replace("/", "--")
+    repo = hub_cache / f"models--{owner_name}"
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    commit = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for p in files:
+        data = p.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        dest = snap / p.relative_to(checkpoint)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        depth = len(p.relative_to(checkpoint).parts) + 1
+        dest.symlink_to(Path(*([".."] * depth), "blobs", blob.name))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / branch).write_text(commit)
+    return commit
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def assert_problem(r: Any, status: int, field: str | None = None) -> dict[str, Any]:
+    """`r` is an RFC 9457 problem+json response with this status (and this field error)."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json"), r.headers
+    body: dict[str, Any] = r.json()
+    assert body["status"] == status and body["title"] and body["type"] and body["detail"]
+    if field is not None:
+        assert field in [e["field"] for e in body["errors"]], body
+    return body
