@@ -18,7 +18,7 @@ from higgs_engine.selfgen import (
     start_token,
     windows_from_sequences,
 )
-from tests.conftest import build_tiny_checkpoint
+from tests.fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
