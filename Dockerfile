@@ -36,7 +36,7 @@ RUN pip install \
 USER higgs
 ENV HIGGS_DATA_DIR=/data
 EXPOSE 8000
-CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools"]
 
 # ---------------------------------------------------------------- worker (CUDA torch)
 FROM source AS worker

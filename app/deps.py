@@ -1,17 +1,23 @@
-"""FastAPI dependencies, injected through Annotated aliases (SettingsDep, SessionDep, CurrentKey)."""
+"""FastAPI dependencies, injected through Annotated aliases (SettingsDep, SessionsDep,
+CurrentKey).
+
+No dependency holds a database session: a route opens one short session for its own work and
+closes it before its response is sent, so no connection is ever held across a threadpool hop,
+a response body or a stream.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from app.db.models import ApiKey
 from app.errors import UnauthorizedError
-from app.keys.service import authenticate
+from app.keys.service import AuthKey, KeyCache
+from app.limits import RateLimiter
 from app.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="an API key from `higgs keys create NAME`")
@@ -27,25 +33,32 @@ def get_sessions(request: Request) -> sessionmaker[Session]:
     return sessions
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    with get_sessions(request)() as session:
-        yield session
-
-
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
-SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def current_key(
-    session: SessionDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> ApiKey:
-    if credentials is None:
+def bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
+    if credentials is None or not credentials.credentials.strip():
         raise UnauthorizedError(
             "missing or non-Bearer Authorization header; send 'Authorization: Bearer <api key>'"
         )
-    return authenticate(session, f"{credentials.scheme} {credentials.credentials}")
+    return credentials.credentials.strip()
 
 
-CurrentKey = Annotated[ApiKey, Depends(current_key)]
+async def current_key(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> AuthKey:
+    """The caller's key (cached, see KeyCache), after its rate limit (429 when exceeded)."""
+    token = bearer_token(credentials)
+    cache: KeyCache = request.app.state.key_cache
+    key = cache.cached(token)
+    if key is None:
+        key = await run_in_threadpool(cache.load, token)
+    limiter: RateLimiter = request.app.state.rate_limiter
+    limiter.check(key.id)
+    request.state.api_token = token
+    return key
+
+
+CurrentKey = Annotated[AuthKey, Depends(current_key)]

@@ -81,5 +81,27 @@ class NotSupportedError(ValidationFailedError):
     code, title = "not_supported", "Not supported yet"
 
 
+class TooManyRequestsError(AppError):
+    """429 with a Retry-After header (whole seconds)."""
+
+    status, code, title = 429, "rate_limited", "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = max(1, int(retry_after))
+
+
+class QuotaExceededError(TooManyRequestsError):
+    code, title = "quota_exceeded", "Job quota exceeded"
+
+
 class ServiceUnavailableError(AppError):
     status, code, title = 503, "unavailable", "Service unavailable"
+
+    def __init__(self, detail: str, *, retry_after: int = 5) -> None:
+        super().__init__(detail)
+        self.retry_after = max(1, int(retry_after))
+
+
+class DatabaseUnavailableError(ServiceUnavailableError):
+    code, title = "database_unavailable", "Database unavailable"

@@ -7,6 +7,8 @@ RFC 9457 problem+json here and nowhere else.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,21 +16,28 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.artifacts.routes import router as artifacts_router
-from app.db.session import create_db_engine, session_factory
+from app.db.session import create_db_engine, normalise_url, session_factory
 from app.errors import (
     PROBLEM_JSON,
     AppError,
+    DatabaseUnavailableError,
     MalformedBodyError,
     PayloadTooLargeError,
     RangeNotSatisfiableError,
+    ServiceUnavailableError,
+    TooManyRequestsError,
     UnauthorizedError,
     ValidationFailedError,
 )
 from app.jobs.routes import router as jobs_router
+from app.keys.service import KeyCache
+from app.limits import RateLimiter
 from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.routes import router as ops_router
 from app.plans.routes import router as plans_router
@@ -46,6 +55,8 @@ def problem_response(err: AppError, instance: str | None) -> JSONResponse:
         headers["Content-Range"] = f"bytes */{err.size}"
     if isinstance(err, UnauthorizedError):
         headers["WWW-Authenticate"] = 'Bearer realm="higgs"'
+    if isinstance(err, TooManyRequestsError | ServiceUnavailableError):
+        headers["Retry-After"] = str(err.retry_after)
     return JSONResponse(
         err.problem(instance), status_code=err.status, media_type=PROBLEM_JSON, headers=headers
     )
@@ -137,7 +148,50 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+class OutageLog:
+    """One warning line (no traceback) per `every_s` seconds for a repeated outage, with the
+    count of the answers it stands for, instead of a traceback per request."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._last = float("-inf")
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                self._suppressed += 1
+                return False
+            more, self._suppressed, self._last = self._suppressed, 0, now
+        self.logger.warning(
+            "%s%s", message, f" ({more} more such answers since the last line)" if more else ""
+        )
+        return True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    outage = OutageLog(log)
+
+    @app.exception_handler(sa_exc.OperationalError)
+    @app.exception_handler(sa_exc.InterfaceError)
+    @app.exception_handler(sa_exc.TimeoutError)
+    async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        settings: Settings = request.app.state.settings
+        outage.warn(f"database unavailable, answering 503: {_first_line(exc)}")
+        err = DatabaseUnavailableError(
+            "the database is unavailable; retry later",
+            retry_after=settings.unavailable_retry_after_s,
+        )
+        return problem_response(err, request.url.path)
+
     @app.exception_handler(AppError)
     async def app_error(request: Request, exc: AppError) -> JSONResponse:
         if exc.status >= 500:
@@ -172,7 +226,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     been migrated (`alembic upgrade head`, app.db.migrate.upgrade_database)."""
     settings = settings or get_settings()
     settings.ensure_dirs()
-    engine = create_db_engine(settings.database_url)
+    pool: dict[str, Any] = {}
+    if make_url(normalise_url(settings.database_url)).get_backend_name() != "sqlite":
+        pool = {
+            "pool_size": settings.db_pool_size,
+            "max_overflow": settings.db_max_overflow,
+            "pool_timeout": settings.db_pool_timeout_s,
+        }
+    engine = create_db_engine(settings.database_url, **pool)
     sessions = session_factory(engine)
 
     @asynccontextmanager
@@ -190,6 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.key_cache = KeyCache(sessions, settings.auth_cache_ttl_s)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry
 

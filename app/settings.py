@@ -39,6 +39,24 @@ class Settings(BaseSettings):
     events_poll_interval_s: float = Field(default=0.5, gt=0)
     # SSE streams end after this long even if the job is still running (clients reconnect).
     events_max_duration_s: float = Field(default=3600.0, gt=0)
+    # API keys are checked against an in-process cache: a revocation takes effect within this.
+    auth_cache_ttl_s: float = Field(default=1.0, ge=0)
+    # Per API key and API process: requests/s on average and the burst above it (429 with
+    # Retry-After beyond); rate_limit_per_s=0 switches the limit off.
+    rate_limit_per_s: float = Field(default=50.0, ge=0)
+    rate_limit_burst: int = Field(default=200, ge=1)
+    # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
+    # quota.
+    max_active_jobs_per_key: int = Field(default=20, ge=0)
+    # The Retry-After (s) of 503 answers while the database or broker is unreachable.
+    unavailable_retry_after_s: int = Field(default=5, ge=1)
+    # GET /metrics answers only `Authorization: Bearer <metrics_key>`; unset: /metrics is off.
+    metrics_key: str | None = None
+    # The API's connection pool (PostgreSQL): connections kept, extra ones allowed, and how
+    # long a request waits for one before a 503.
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    db_pool_timeout_s: float = Field(default=10.0, gt=0)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True

@@ -36,6 +36,7 @@ def api_command(host: str, port: int, workers: int = 1, log_level: str = "info")
     return [
         sys.executable, "-m", "uvicorn", API_FACTORY, "--factory",
         "--host", host, "--port", str(port), "--workers", str(workers),
+        "--loop", "uvloop", "--http", "httptools",
         "--log-level", log_level, "--no-access-log",
     ]
 

@@ -163,3 +163,8 @@ def assert_problem(r: Any, status: int, field: str | None = None) -> dict[str, A
     if field is not None:
         assert field in [e["field"] for e in body["errors"]], body
     return body
+
+
+# The app tests' HIGGS_METRICS_KEY (tests/app/conftest.py), and the header that reads /metrics.
+METRICS_KEY = "metrics-test-key"
+METRICS_AUTH = {"Authorization": f"Bearer {METRICS_KEY}"}

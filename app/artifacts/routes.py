@@ -18,7 +18,7 @@ from app.artifacts.download import (
     tar_size,
     tar_stream,
 )
-from app.deps import CurrentKey, SessionDep
+from app.deps import CurrentKey, SessionsDep
 from app.jobs.routes import ERRORS, PROBLEM
 from app.jobs.schemas import ArtifactOut, Format
 
@@ -28,8 +28,12 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/artifacts", tags=["artifacts"])
 @router.get(
     "/{format}", response_model=ArtifactOut, responses=ERRORS, summary="Files of an artifact"
 )
-def list_artifact(job_id: str, format: Format, session: SessionDep, key: CurrentKey) -> ArtifactOut:
-    return service.artifact_view(service.get_artifact(session, key, job_id, format))
+def list_artifact(
+    job_id: str, format: Format, sessions: SessionsDep, key: CurrentKey
+) -> ArtifactOut:
+    with sessions() as session:
+        art = service.get_artifact(session, key, job_id, format)
+    return service.artifact_view(art)
 
 
 @router.get(
@@ -42,13 +46,14 @@ def download_file(
     job_id: str,
     format: Format,
     path: str,
-    session: SessionDep,
+    sessions: SessionsDep,
     key: CurrentKey,
     range_: Annotated[str | None, Header(alias="Range")] = None,
     if_range: Annotated[str | None, Header(alias="If-Range")] = None,
     if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
 ) -> Response:
-    art = service.get_artifact(session, key, job_id, format)
+    with sessions() as session:  # closed before the file is sent
+        art = service.get_artifact(session, key, job_id, format)
     row, full = service.resolve_file(art, path)
     headers = {**digest_headers(row.sha256), "Accept-Ranges": "bytes"}
     etag = headers["ETag"]
@@ -71,9 +76,10 @@ def download_file(
     summary="The whole artifact as one streamed tar",
 )
 def download_archive(
-    job_id: str, format: Format, session: SessionDep, key: CurrentKey
+    job_id: str, format: Format, sessions: SessionsDep, key: CurrentKey
 ) -> StreamingResponse:
-    art = service.get_artifact(session, key, job_id, format)
+    with sessions() as session:  # closed before the archive is sent
+        art = service.get_artifact(session, key, job_id, format)
     members = []
     for f in art.files:
         row, full = service.resolve_file(art, f.path)

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from app.db.models import SUCCEEDED, ApiKey, Artifact, ArtifactFile
+from app.db.models import SUCCEEDED, Artifact, ArtifactFile
 from app.errors import AppError, BadRequestError, NotFoundError
 from app.jobs import repository
 from app.jobs.schemas import ArtifactOut
 from app.jobs.service import get_job, job_url
+from app.keys.service import AuthKey
 
 
 class ArtifactNotFound(NotFoundError):
@@ -24,7 +25,7 @@ class ArtifactFileMissingError(AppError):
     status, code, title = 500, "artifact_file_missing", "Artifact file missing from the store"
 
 
-def get_artifact(session: Session, key: ApiKey, job_id: str, fmt: str) -> Artifact:
+def get_artifact(session: Session, key: AuthKey, job_id: str, fmt: str) -> Artifact:
     job = get_job(session, key, job_id)
     art = repository.artifact(session, job.id, fmt) if job.status == SUCCEEDED else None
     if art is None:

@@ -40,6 +40,7 @@ def create_db_engine(url: str, **kwargs: Any) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_timeout", 10.0)
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
     return create_engine(url, **kwargs)

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from app.db.models import Artifact, Job, JobLayer
+from app.db.models import QUEUED, RUNNING, Artifact, Job, JobLayer
 
 
 def get_owned(session: Session, api_key_id: str, job_id: str) -> Job | None:
@@ -52,6 +52,18 @@ def page(
         .options(selectinload(Job.artifacts))
     )
     return list(session.scalars(stmt).all())
+
+
+def count_active(session: Session, api_key_id: str) -> int:
+    """Jobs of the key that are queued or running."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.api_key_id == api_key_id, Job.status.in_((QUEUED, RUNNING)))
+        )
+        or 0
+    )
 
 
 def layers(session: Session, job_id: str) -> list[JobLayer]:

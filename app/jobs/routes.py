@@ -8,15 +8,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 
 from app.db.models import TERMINAL, Job
-from app.deps import CurrentKey, SessionDep, SessionsDep, SettingsDep
-from app.errors import PROBLEM_JSON
+from app.deps import CurrentKey, SessionsDep, SettingsDep
+from app.errors import PROBLEM_JSON, UnauthorizedError
 from app.jobs import repository, service, state
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut
+from app.keys.service import KeyCache
 from app.queue import enqueue_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -35,20 +37,26 @@ ERRORS: dict[int | str, dict[str, Any]] = {401: PROBLEM, 404: PROBLEM, 422: PROB
 def submit_job(
     body: JobCreate,
     response: Response,
-    session: SessionDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     spec = service.validate_request(body, settings)
-    job, created = service.create_job(
-        session, key, spec, service.check_idempotency_key(idempotency_key)
-    )
+    with sessions() as session:
+        job, created = service.create_job(
+            session,
+            key,
+            spec,
+            service.check_idempotency_key(idempotency_key),
+            max_active=settings.max_active_jobs_per_key,
+        )
     if created:
         # After commit: the row is the source of truth; if the broker is down the sweep
         # re-sends the job later (enqueued_at stays NULL).
         if enqueue_job(settings, job.id):
-            state.mark_enqueued(session, job.id)
+            with sessions() as session:
+                state.mark_enqueued(session, job.id)
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = service.job_url(job.id)
@@ -57,7 +65,7 @@ def submit_job(
 
 @router.get("", response_model=JobPage, responses=ERRORS, summary="List the caller's jobs")
 def list_jobs(
-    session: SessionDep,
+    sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
     status: Annotated[
@@ -68,17 +76,25 @@ def list_jobs(
         str | None, Query(description="the `next` cursor of the previous page")
     ] = None,
 ) -> JobPage:
-    rows, cursor = service.list_jobs(
-        session, key, status=status, limit=limit, after=after, max_limit=settings.page_limit_max
-    )
+    with sessions() as session:
+        rows, cursor = service.list_jobs(
+            session,
+            key,
+            status=status,
+            limit=limit,
+            after=after,
+            max_limit=settings.page_limit_max,
+        )
     return JobPage(
         data=[service.job_view(j) for j in rows], has_more=cursor is not None, next=cursor
     )
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS, summary="One job")
-def get_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobOut:
-    return service.job_view(service.get_job(session, key, job_id))
+def get_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
+    with sessions() as session:
+        job = service.get_job(session, key, job_id)
+    return service.job_view(job)
 
 
 @router.post(
@@ -87,15 +103,18 @@ def get_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobOut:
     responses={**ERRORS, 409: PROBLEM},
     summary="Cancel a job (409 once it has finished)",
 )
-def cancel_job(job_id: str, session: SessionDep, key: CurrentKey) -> JobOut:
-    return service.job_view(service.cancel_job(session, key, job_id))
+def cancel_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
+    with sessions() as session:
+        job = service.cancel_job(session, key, job_id)
+    return service.job_view(job)
 
 
 @router.get(
     "/{job_id}/layers", response_model=LayersOut, responses=ERRORS, summary="Per-layer results"
 )
-def job_layers(job_id: str, session: SessionDep, key: CurrentKey) -> LayersOut:
-    rows = service.job_layers(session, key, job_id)
+def job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> LayersOut:
+    with sessions() as session:
+        rows = service.job_layers(session, key, job_id)
     return LayersOut(
         job_id=job_id,
         data=[
@@ -115,8 +134,10 @@ def job_layers(job_id: str, session: SessionDep, key: CurrentKey) -> LayersOut:
 
 
 @router.get("/{job_id}/report", responses=ERRORS, summary="The full report.json of a succeeded job")
-def job_report(job_id: str, session: SessionDep, key: CurrentKey) -> JSONResponse:
-    return JSONResponse(service.job_report(session, key, job_id))
+def job_report(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JSONResponse:
+    with sessions() as session:
+        report = service.job_report(session, key, job_id)
+    return JSONResponse(report)
 
 
 def _snapshot(job: Job) -> dict[str, Any]:
@@ -142,18 +163,30 @@ def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
     summary="Server-Sent Events: `state` on status changes, `progress` on stage/progress changes",
 )
 def job_events(
-    job_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
+    job_id: str, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> StreamingResponse:
-    service.get_job(session, key, job_id)  # 404 before the stream starts
+    with sessions() as session:
+        service.get_job(session, key, job_id)  # 404 before the stream starts
     key_id = key.id
+    token: str = request.state.api_token
+    keys: KeyCache = request.app.state.key_cache
 
-    def load() -> dict[str, Any] | None:
-        with sessions() as s:
-            job = repository.get_owned(s, key_id, job_id)
-            return _snapshot(job) if job is not None else None
+    def load() -> dict[str, Any] | None | bool:
+        """The job's snapshot (one short session); None once the key is revoked or the job
+        is gone; False when the database did not answer (the stream skips that poll)."""
+        try:
+            keys.check(token)
+            with sessions() as s:
+                job = repository.get_owned(s, key_id, job_id)
+                return _snapshot(job) if job is not None else None
+        except UnauthorizedError:
+            return None
+        except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError):
+            return False
 
     async def stream() -> AsyncIterator[bytes]:
         # Polls the job row: the database is the source of truth and works across processes.
+        # No connection is held between polls (nor while a chunk is being sent).
         last: dict[str, Any] | None = None
         event_id = 0
         deadline = time.monotonic() + settings.events_max_duration_s
@@ -163,6 +196,9 @@ def job_events(
             snap = await run_in_threadpool(load)
             if snap is None:
                 return
+            if not isinstance(snap, dict):  # the database did not answer: next poll
+                await asyncio.sleep(settings.events_poll_interval_s)
+                continue
             if last is None or snap["status"] != last["status"]:
                 event_id += 1
                 yield _sse("state", snap, event_id)

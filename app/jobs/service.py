@@ -17,11 +17,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
-from app.db.models import STATUSES, ApiKey, Job, JobLayer
-from app.errors import NotFoundError, NotSupportedError, ValidationFailedError
+from app.db.models import STATUSES, Job, JobLayer
+from app.errors import (
+    NotFoundError,
+    NotSupportedError,
+    QuotaExceededError,
+    ValidationFailedError,
+)
 from app.jobs import repository, state
 from app.jobs.model_ref import ModelRefError, resolve_model
 from app.jobs.schemas import JobCreate, JobOut
+from app.keys.service import AuthKey
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target
 from app.settings import Settings
 from higgs_engine.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
@@ -173,16 +179,34 @@ def _replay(job: Job, spec: JobSpec) -> Job:
     return job
 
 
+QUOTA_RETRY_AFTER_S = 30
+
+
 def create_job(
-    session: Session, key: ApiKey, spec: JobSpec, idempotency_key: str | None
+    session: Session,
+    key: AuthKey,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    *,
+    max_active: int = 0,
 ) -> tuple[Job, bool]:
     """Insert the job (status queued) and commit. Returns (job, created). With an
     Idempotency-Key, concurrent identical requests all get the one job: the unique constraint
-    (api_key_id, idempotency_key) decides the race, the losers read the winner's row."""
+    (api_key_id, idempotency_key) decides the race, the losers read the winner's row.
+    max_active > 0: QuotaExceededError (429) when the key already has that many jobs queued
+    or running (a replay of an existing job is never refused)."""
     if idempotency_key is not None:
         existing = repository.by_idempotency_key(session, key.id, idempotency_key)
         if existing is not None:
             return _replay(existing, spec), False
+    if max_active > 0:
+        active = repository.count_active(session, key.id)
+        if active >= max_active:
+            raise QuotaExceededError(
+                f"this API key has {active} jobs queued or running, the most allowed at once "
+                f"({max_active}); submit again when one has finished",
+                retry_after=QUOTA_RETRY_AFTER_S,
+            )
     now = utcnow()
     job = Job(
         id=str(uuid.uuid4()),
@@ -209,7 +233,7 @@ def create_job(
     return job, True
 
 
-def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+def get_job(session: Session, key: AuthKey, job_id: str) -> Job:
     job = repository.get_owned(session, key.id, job_id)
     if job is None:
         raise JobNotFound(f"job {job_id!r} not found")
@@ -237,7 +261,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 def list_jobs(
     session: Session,
-    key: ApiKey,
+    key: AuthKey,
     *,
     status: str | None,
     limit: int,
@@ -260,18 +284,18 @@ def list_jobs(
     return rows, (encode_cursor(rows[-1]) if has_more and rows else None)
 
 
-def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
+def cancel_job(session: Session, key: AuthKey, job_id: str) -> Job:
     get_job(session, key, job_id)
     state.request_cancel(session, job_id)
     return get_job(session, key, job_id)
 
 
-def job_layers(session: Session, key: ApiKey, job_id: str) -> list[JobLayer]:
+def job_layers(session: Session, key: AuthKey, job_id: str) -> list[JobLayer]:
     job = get_job(session, key, job_id)
     return repository.layers(session, job.id)
 
 
-def job_report(session: Session, key: ApiKey, job_id: str) -> dict[str, Any]:
+def job_report(session: Session, key: AuthKey, job_id: str) -> dict[str, Any]:
     job = get_job(session, key, job_id)
     if job.report is None:
         raise NotFoundError(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+import time
 import uuid
+from dataclasses import dataclass
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.base import utcnow
 from app.db.models import ApiKey
@@ -68,8 +71,21 @@ def revoke_key(session: Session, key_or_id: str) -> ApiKey:
     return row
 
 
-def authenticate(session: Session, authorization: str | None) -> ApiKey:
-    """The key named by an `Authorization: Bearer <key>` header, or UnauthorizedError."""
+@dataclass(frozen=True)
+class AuthKey:
+    """The caller's key as a request sees it: plain values, no database session behind it."""
+
+    id: str
+    name: str
+    prefix: str
+
+    @classmethod
+    def of(cls, row: ApiKey) -> AuthKey:
+        return cls(id=row.id, name=row.name, prefix=row.prefix)
+
+
+def parse_bearer(authorization: str | None) -> str:
+    """The key of an `Authorization: Bearer <key>` header, or UnauthorizedError."""
     if not authorization:
         raise UnauthorizedError(
             "missing Authorization header; send 'Authorization: Bearer <api key>'"
@@ -78,9 +94,61 @@ def authenticate(session: Session, authorization: str | None) -> ApiKey:
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise UnauthorizedError("Authorization header must be 'Bearer <api key>'")
-    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
-    if row is None:
-        raise UnauthorizedError("unknown API key")
-    if row.revoked_at is not None:
-        raise UnauthorizedError(f"API key {row.prefix}... was revoked")
-    return row
+    return key
+
+
+class KeyCache:
+    """API keys checked against a small in-process cache.
+
+    An entry (a valid key, or the reason a key is refused) lives `ttl_s` seconds, so a
+    revocation takes effect within ttl_s everywhere while a busy client costs no database
+    round trip per request. Misses are looked up in one short transaction of their own (the
+    connection goes back to the pool before the request goes on). At most `max_entries`
+    entries: when full, the expired ones go, then everything (garbage keys cannot grow it).
+    """
+
+    def __init__(
+        self, sessions: sessionmaker[Session], ttl_s: float, max_entries: int = 10_000
+    ) -> None:
+        self.sessions = sessions
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, AuthKey | str]] = {}
+        self._lock = threading.Lock()
+
+    def cached(self, key: str) -> AuthKey | None:
+        """The key from the cache (UnauthorizedError for a cached refusal); None on a miss."""
+        digest = hash_key(key)
+        with self._lock:
+            hit = self._entries.get(digest)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        if isinstance(hit[1], str):
+            raise UnauthorizedError(hit[1])
+        return hit[1]
+
+    def load(self, key: str) -> AuthKey:
+        """Look the key up in the database (one short transaction) and cache the answer."""
+        digest = hash_key(key)
+        with self.sessions() as session:
+            row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+            result: AuthKey | str
+            if row is None:
+                result = "unknown API key"
+            elif row.revoked_at is not None:
+                result = f"API key {row.prefix}... was revoked"
+            else:
+                result = AuthKey.of(row)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._entries) >= self.max_entries:
+                live = {k: v for k, v in self._entries.items() if v[0] > now}
+                self._entries = live if len(live) < self.max_entries else {}
+            self._entries[digest] = (now + self.ttl_s, result)
+        if isinstance(result, str):
+            raise UnauthorizedError(result)
+        return result
+
+    def check(self, key: str) -> AuthKey:
+        """cached() or load(): the blocking form, for code already off the event loop."""
+        return self.cached(key) or self.load(key)

@@ -20,6 +20,8 @@ from app.queue import queue_depth
 from app.settings import Settings
 
 RECENT_JOBS = 200
+# The method label: these, or "other" (made-up methods must not create series).
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -98,7 +100,8 @@ class LatencyMiddleware:
                 status["done"] = True
                 route = scope.get("route")
                 template = getattr(route, "path", None) or "unmatched"
-                self.histogram.labels(scope["method"], template, str(status["code"])).observe(
+                method = scope["method"] if scope["method"] in KNOWN_METHODS else "other"
+                self.histogram.labels(method, template, str(status["code"])).observe(
                     time.perf_counter() - start
                 )
             await send(message)

@@ -1,6 +1,10 @@
-"""/healthz (process alive), /readyz (database and broker reachable), /metrics."""
+"""/healthz (process alive), /readyz (database and broker reachable), /metrics (behind its own
+key, HIGGS_METRICS_KEY)."""
 
 from __future__ import annotations
+
+import hmac
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -9,23 +13,31 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import SessionsDep, SettingsDep
-from app.errors import PROBLEM_JSON, ServiceUnavailableError
+from app.errors import PROBLEM_JSON, NotFoundError, ServiceUnavailableError, UnauthorizedError
 from app.queue import check_broker
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz", summary="The process is alive")
+@router.get("/healthz", summary="The process is alive", operation_id="healthz")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+def _describe(exc: Exception) -> str:
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
 
 
 @router.get(
     "/readyz",
     summary="Database and broker reachable (503 otherwise)",
-    responses={503: {"content": {PROBLEM_JSON: {}}}},
+    operation_id="readyz",
+    responses={503: {"content": {PROBLEM_JSON: {}}, "description": "not ready (problem+json)"}},
 )
 def readyz(sessions: SessionsDep, settings: SettingsDep) -> JSONResponse:
+    # The public answer says which dependency failed, never how (the log has the detail).
     checks: dict[str, str] = {}
     try:
         with sessions() as s:
@@ -34,24 +46,44 @@ def readyz(sessions: SessionsDep, settings: SettingsDep) -> JSONResponse:
             s.execute(text("SELECT version_num FROM alembic_version")).all()
         checks["database"] = "ok"
     except Exception as e:
-        checks["database"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        log.warning("readyz: database check failed: %s", _describe(e))
+        checks["database"] = "unavailable"
     try:
         check_broker(settings)
         checks["broker"] = "ok"
     except Exception as e:
-        checks["broker"] = (
-            f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        )
+        log.warning("readyz: broker check failed: %s", _describe(e))
+        checks["broker"] = "unavailable"
     if all(v == "ok" for v in checks.values()):
         return JSONResponse({"status": "ready", "checks": checks})
-    bad = ", ".join(f"{k} ({v})" for k, v in checks.items() if v != "ok")
-    err = ServiceUnavailableError(f"not ready: {bad}")
+    bad = ", ".join(k for k, v in checks.items() if v != "ok")
+    err = ServiceUnavailableError(
+        f"not ready: {bad} unavailable", retry_after=settings.unavailable_retry_after_s
+    )
     body = {**err.problem("/readyz"), "checks": checks}
-    return JSONResponse(body, status_code=503, media_type=PROBLEM_JSON)
+    return JSONResponse(
+        body,
+        status_code=503,
+        media_type=PROBLEM_JSON,
+        headers={"Retry-After": str(err.retry_after)},
+    )
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-async def metrics(request: Request) -> PlainTextResponse:
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (Authorization: Bearer <HIGGS_METRICS_KEY>)",
+    response_class=PlainTextResponse,
+    include_in_schema=False,
+)
+async def metrics(request: Request, settings: SettingsDep) -> PlainTextResponse:
+    if not settings.metrics_key:
+        raise NotFoundError("metrics are switched off on this service (HIGGS_METRICS_KEY unset)")
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), settings.metrics_key.encode()
+    ):
+        raise UnauthorizedError("/metrics needs 'Authorization: Bearer <HIGGS_METRICS_KEY>'")
     registry = request.app.state.metrics_registry
     # Collectors query the database and the broker: keep that off the event loop.
     payload = await run_in_threadpool(generate_latest, registry)

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.deps import CurrentKey, SessionDep, SettingsDep
+from app.deps import CurrentKey, SessionsDep, SettingsDep
 from app.jobs.routes import ERRORS
 from app.plans import service
 from app.plans.service import PlanCreate
@@ -16,6 +16,6 @@ router = APIRouter(prefix="/v1/plans", tags=["plans"])
 
 @router.post("", responses=ERRORS, summary="Predicted quality-vs-size curve from a cached profile")
 def create_plan(
-    body: PlanCreate, session: SessionDep, settings: SettingsDep, key: CurrentKey
+    body: PlanCreate, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> dict[str, Any]:
-    return service.plan(session, settings, body)
+    return service.plan(sessions, settings, body)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
@@ -79,13 +79,15 @@ def _check(req: PlanCreate, settings: Settings) -> None:
     )
 
 
-def plan(session: Session, settings: Settings, req: PlanCreate) -> dict[str, Any]:
+def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -> dict[str, Any]:
     try:
         resolve_model(req.model.id, req.model.revision, settings.models_dir)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
     _check(req, settings)
-    row = find_profile(session, req.model.id, req.model.revision, req.metric)
+    with sessions() as session:  # closed before the (CPU-bound) plan is computed
+        row = find_profile(session, req.model.id, req.model.revision, req.metric)
+        data = profile_payload(row) if row is not None else None
     if row is None:
         raise ProfileNotFound(
             f"no profile exists yet for model {req.model.id!r}"
@@ -93,7 +95,6 @@ def plan(session: Session, settings: Settings, req: PlanCreate) -> dict[str, Any
             + (f" with metric {req.metric!r}" if req.metric else "")
             + "; submit a job with a dynamic target (avg_bits or max_ppl_increase) to create one"
         )
-    data = profile_payload(row)
     if data is None:  # pragma: no cover - find_profiles returns usable rows only
         raise ProfileNotFound(f"the profile of {req.model.id!r} is not usable")
     target = {req.target.kind: req.target.value} if req.target else None

@@ -22,6 +22,7 @@ from tests.app.dbutil import (
     postgres_server_url,
     sqlite_copy,
 )
+from tests.fixtures import METRICS_KEY
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +68,12 @@ def settings(db_url: str, tmp_path: Path) -> Settings:
     """Service settings on the test database; local model "tiny" exists in models_dir."""
     models = tmp_path / "models"
     (models / "tiny").mkdir(parents=True)
-    return Settings(data_dir=tmp_path / "data", database_url=db_url, models_dir=models)
+    return Settings(
+        data_dir=tmp_path / "data",
+        database_url=db_url,
+        models_dir=models,
+        metrics_key=METRICS_KEY,
+    )
 
 
 @pytest.fixture

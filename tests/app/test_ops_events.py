@@ -23,7 +23,7 @@ from app.jobs import state
 from app.main import create_app
 from app.queue import queue_depth
 from app.settings import Settings
-from tests.fixtures import assert_problem
+from tests.fixtures import METRICS_AUTH, assert_problem
 
 BODY = {"model": {"id": "tiny"}, "target": {"bits": 4}}
 
@@ -73,8 +73,11 @@ def test_healthz_readyz_openapi_docs_need_no_key(client: TestClient) -> None:
 def test_readyz_503_when_database_is_not_migrated(settings: Settings, tmp_path: Any) -> None:
     bare = settings.model_copy(update={"database_url": f"sqlite:///{tmp_path / 'empty.db'}"})
     with TestClient(create_app(bare)) as c:
-        body = assert_problem(c.get("/readyz"), 503)
-        assert body["checks"]["database"].startswith("error") and body["checks"]["broker"] == "ok"
+        ready = c.get("/readyz")
+        body = assert_problem(ready, 503)
+        assert body["checks"] == {"database": "unavailable", "broker": "ok"}
+        assert ready.headers["retry-after"] == "5"
+        assert "alembic_version" not in ready.text and "sqlite" not in ready.text.lower()
 
 
 def test_metrics(client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]) -> None:
@@ -85,7 +88,7 @@ def test_metrics(client: TestClient, auth: dict[str, str], sessions: sessionmake
         state.record_progress(s, ids[0], "quantizing", 0, 4)
         state.succeed(s, ids[0], {"layers": []}, [], [])
     client.get(f"/v1/jobs/{ids[1]}", headers=auth)
-    r = client.get("/metrics")
+    r = client.get("/metrics", headers=METRICS_AUTH)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert 'higgs_jobs{status="queued"} 2.0' in text
@@ -101,6 +104,32 @@ def test_metrics(client: TestClient, auth: dict[str, str], sessions: sessionmake
     )
     assert 'route="/v1/jobs/{job_id}",status="200"' in text
     assert ids[1] not in text
+
+
+def test_metrics_need_their_own_key_and_keep_labels_bounded(
+    client: TestClient, auth: dict[str, str], settings: Settings
+) -> None:
+    assert_problem(client.get("/metrics"), 401)
+    # A tenant's API key is not the metrics key.
+    assert_problem(client.get("/metrics", headers=auth), 401)
+    assert_problem(client.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
+    for i in range(30):
+        client.request(f"MADEUP{i}", "/v1/jobs", headers=auth)
+        client.get(f"/v1/jobs/no-such-job-{i}", headers=auth)
+        client.get(f"/random/path/{i}")
+    text = client.get("/metrics", headers=METRICS_AUTH).text
+    series = [
+        line
+        for line in text.splitlines()
+        if line.startswith("higgs_http_request_duration_seconds_count")
+    ]
+    assert not any("MADEUP" in line or "no-such-job" in line or "/random" in line for line in series)
+    assert any('method="other"' in line for line in series), series
+    assert any('route="/v1/jobs/{job_id}",status="404"' in line for line in series), series
+    assert len(series) < 10, series
+    off = settings.model_copy(update={"metrics_key": None})
+    with TestClient(create_app(off)) as c:
+        assert_problem(c.get("/metrics", headers=METRICS_AUTH), 404)
 
 
 def test_plans_seam(

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.queue import check_broker, enqueue_job, queue_depth
 from app.settings import TASK_NAME, Settings
-from tests.fixtures import assert_problem
+from tests.fixtures import METRICS_AUTH, assert_problem
 
 REDIS_ENV = "HIGGS_TEST_REDIS_URL"
 
@@ -73,7 +73,7 @@ def test_redis_enqueue_readyz_and_depth(
             message = json.loads(raw)
             assert message["headers"]["task"] == TASK_NAME
             assert task_args(message) == [jid]
-            assert f'higgs_queue_depth{{queue="{queue}"}} 1.0' in c.get("/metrics").text
+            assert f'higgs_queue_depth{{queue="{queue}"}} 1.0' in c.get("/metrics", headers=METRICS_AUTH).text
     finally:
         client.delete(queue)
         client.close()
@@ -84,6 +84,10 @@ def test_readyz_503_when_redis_is_down(settings: Settings) -> None:
         update={"broker_url": "redis://127.0.0.1:1/0", "broker_timeout_s": 0.5}
     )
     with TestClient(create_app(down)) as c:
-        body = assert_problem(c.get("/readyz"), 503)
-        assert "broker" in body["detail"]
-        assert 'higgs_queue_depth{queue="higgs"} -1.0' in c.get("/metrics").text
+        ready = c.get("/readyz")
+        body = assert_problem(ready, 503)
+        assert "broker" in body["detail"] and ready.headers["retry-after"] == "5"
+        # Which dependency failed, never the exception text (that goes to the log).
+        assert body["checks"] == {"database": "ok", "broker": "unavailable"}
+        assert "127.0.0.1" not in ready.text and "refused" not in ready.text.lower()
+        assert 'higgs_queue_depth{queue="higgs"} -1.0' in c.get("/metrics", headers=METRICS_AUTH).text
