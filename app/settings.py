@@ -86,6 +86,16 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)
     # A queued job whose enqueue never happened is re-sent by the sweep after this grace.
     enqueue_grace_s: float = Field(default=30.0, ge=0)
+    # A queued job sent this long ago and still not claimed is sent again when the broker holds
+    # fewer messages than there are such jobs (messages lost: Redis restarted without
+    # persistence, a failover, a flush). A duplicate message is harmless (the claim is a CAS).
+    queued_resend_s: float = Field(default=300.0, gt=0)
+    # How long the worker retries a database write through an outage (a PostgreSQL restart)
+    # before it abandons the job attempt; the time in between is not held against the job.
+    worker_db_retry_s: float = Field(default=300.0, gt=0)
+    # A job back in the queue because the storage was full is sent again as soon as the
+    # artifacts volume has more free space, and in any case after this long.
+    storage_retry_s: float = Field(default=1800.0, gt=0)
     sweep_interval_s: float = Field(default=30.0, gt=0)
     job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
     job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)

@@ -457,8 +457,10 @@ def load_config(path: Path) -> PretrainedConfig:
     try:
         return AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError) as exc:
+        # transformers appends every model type it knows (thousands of characters): not those.
+        why = str(exc).split(" Should contain one of")[0].strip()
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by transformers: {exc}"
+            f"model_type {model_type!r} is not supported by transformers: {why}"
         ) from exc
 
 

@@ -133,10 +133,29 @@ def enqueue(settings: Settings, job_id: str) -> bool:
     return enqueue_job(settings, job_id)
 
 
-def sweep_once(settings: Settings) -> dict[str, list[str]]:
+def broker_depth(settings: Settings) -> int | None:
+    """Messages waiting in the job queues (None when the broker cannot tell)."""
+    from app.queue import queue_depth
+
+    total = 0
+    for queue in dict.fromkeys([settings.task_queue, DEFAULT_QUEUE, GPU_QUEUE]):
+        n = queue_depth(settings, queue)
+        if n is None:
+            return None
+        total += n
+    return total
+
+
+def sweep_once(settings: Settings, requeue_stale: bool = True) -> dict[str, list[str]]:
     from worker.sweep import sweep
 
-    return sweep(sessions_for(settings), settings, lambda job_id: enqueue(settings, job_id)).as_dict()
+    return sweep(
+        sessions_for(settings),
+        settings,
+        lambda job_id: enqueue(settings, job_id),
+        lambda: broker_depth(settings),
+        requeue_stale=requeue_stale,
+    ).as_dict()
 
 
 # ---------------------------------------------------------------- the app
@@ -151,7 +170,11 @@ def _start_sweep(sender: Any = None, **_: Any) -> None:
     from worker.sweep import SweepThread
 
     settings: Settings = app.conf.higgs_settings
-    _sweeper = SweepThread(lambda: sweep_once(settings), settings.sweep_interval_s)
+    _sweeper = SweepThread(
+        lambda requeue_stale: sweep_once(settings, requeue_stale),
+        settings.sweep_interval_s,
+        outage_grace_s=settings.heartbeat_timeout_s,
+    )
     _sweeper.start()
     log.info(
         "higgs worker ready: broker %s, database %s, artifacts %s, sweep every %gs",

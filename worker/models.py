@@ -8,6 +8,7 @@ models_dir, and anything else must be a well-formed Hub id and goes through hugg
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,41 @@ def resolve_model(
         ref = check_ref(model_id, revision, models_dir)
     except ModelRefError as exc:
         raise ModelNotFoundError(str(exc)) from exc
-    if ref.kind == "local" and ref.path is not None:
+    if ref.kind == "local" and ref.path is not None and models_dir is not None:
+        refuse_outside_links(model_id, ref.path, models_dir)
         if not (ref.path / "config.json").is_file():
-            raise UnsupportedModelError(f"local model {model_id!r} ({ref.path}) has no config.json")
+            raise UnsupportedModelError(f"local model {model_id!r} has no config.json")
         return ModelSource(path=ref.path, id=model_id, kind="local", revision=None)
     return _resolve_hub(model_id, revision, token=token, offline=offline)
+
+
+def refuse_outside_links(model_id: str, path: Path, models_dir: Path) -> None:
+    """A local model is read only from inside models_dir: a symbolic link (the model folder
+    itself or anything in it) that points outside would put an arbitrary server file into
+    the job's artifacts, so the job is refused instead."""
+    root = models_dir.resolve()
+
+    def outside(p: Path) -> bool:
+        try:
+            target = p.resolve()
+        except (OSError, RuntimeError):  # a loop: refuse as well
+            return True
+        return target != root and root not in target.parents
+
+    if outside(path):
+        raise UnsupportedModelError(
+            f"local model {model_id!r} is a symbolic link to a folder outside the models folder; "
+            "copy it in (links are followed only within the models folder)"
+        )
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            if p.is_symlink() and outside(p):
+                rel = p.relative_to(path).as_posix()
+                raise UnsupportedModelError(
+                    f"local model {model_id!r}: {rel!r} is a symbolic link to a file outside the "
+                    "models folder; copy the file in (links are followed only within the models folder)"
+                )
 
 
 def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offline: bool) -> ModelSource:

@@ -31,19 +31,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.manifest import artifact_rows as manifest_rows
-from app.db.models import CANCELLED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
 from app.settings import Settings
 from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
+from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
 from worker.dynamic import ProfileSettings, annotate_uniform, is_dynamic, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
+from worker.messages import is_storage_full, message_roots, public_message, storage_error_text
 
 log = logging.getLogger("worker.runner")
 
@@ -84,6 +86,8 @@ class RunnerConfig:
     eval_windows: int = 16
     # Dynamic HIGGS (avg_bits / max_ppl_increase targets): how profiles are measured and cached.
     profiles: ProfileSettings | None = None
+    # How long a database write is retried through an outage before the attempt is abandoned.
+    db_retry_s: float = 300.0
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -101,6 +105,7 @@ class RunnerConfig:
             eval_context=settings.eval_context,
             eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
+            db_retry_s=settings.worker_db_retry_s,
         )
 
 
@@ -137,8 +142,10 @@ class ProgressWriter:
         layer_delay: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        db_retry_s: float = 300.0,
     ) -> None:
         self.sessions = sessions
+        self.db_retry_s = db_retry_s
         self.job_id = job_id
         self.worker_id = worker_id
         self.min_interval = min_interval
@@ -151,8 +158,13 @@ class ProgressWriter:
         self._lock = threading.Lock()
 
     def write(self, stage: str, done: int, total: int) -> bool:
-        with self._lock, self.sessions() as s:
-            go = state.record_progress(s, self.job_id, stage, done, total, worker_id=self.worker_id)
+        def once() -> bool:
+            with self.sessions() as s:
+                return state.record_progress(s, self.job_id, stage, done, total, worker_id=self.worker_id)
+
+        # Through a database outage the engine waits here (retrying), then goes on.
+        with self._lock:
+            go = retry_db(once, f"progress of job {self.job_id}", self.db_retry_s)
         self._last_write = self.clock()
         if not go:
             self.stop.set()
@@ -172,8 +184,13 @@ class ProgressWriter:
 
     def beat(self) -> None:
         """A heartbeat between progress calls (long loads, long layers)."""
-        with self._lock, self.sessions() as s:
-            go = state.heartbeat(s, self.job_id, worker_id=self.worker_id)
+
+        def once() -> bool:
+            with self.sessions() as s:
+                return state.heartbeat(s, self.job_id, worker_id=self.worker_id)
+
+        with self._lock:
+            go = retry_db(once, f"heartbeat of job {self.job_id}", self.db_retry_s)
         if not go:
             self.stop.set()
 
@@ -256,7 +273,7 @@ def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
 def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
     rows = manifest_rows({fmt: final / fmt for fmt in formats if (final / fmt).is_dir()})
     if not rows:
-        raise HiggsError(f"the engine wrote none of the requested formats {formats} under {final}")
+        raise HiggsError(f"the engine wrote none of the requested formats {formats}")
     return rows
 
 
@@ -265,66 +282,207 @@ def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
 
 @dataclass
 class Outcome:
-    status: str  # "skipped", "succeeded", "failed", "cancelled", "lost"
+    status: str  # "skipped", "succeeded", "failed", "cancelled", "lost", "storage_full"
     detail: str = ""
 
 
-def _job_snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
-    with sessions() as s:
-        job = s.get(Job, job_id, populate_existing=True)
-        if job is not None:
-            s.expunge(job)
-        return job
+def _job_snapshot(sessions: SessionFactory, job_id: str, budget_s: float = 300.0) -> Job | None:
+    def once() -> Job | None:
+        with sessions() as s:
+            job = s.get(Job, job_id, populate_existing=True)
+            if job is not None:
+                s.expunge(job)
+            return job
+
+    return retry_db(once, f"state of job {job_id}", budget_s)
+
+
+def _ours_now(sessions: SessionFactory, job_id: str, worker_id: str, status: str, budget_s: float) -> bool:
+    """After a write whose commit may have landed before its connection broke: is the job
+    already in `status`, owned by this worker (then the write did happen)?"""
+    job = _job_snapshot(sessions, job_id, budget_s)
+    return job is not None and job.status == status and job.worker_id == worker_id
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    model_id: str
+    request: dict[str, Any]
+    config: dict[str, Any]
+    pinned: str | None
+    attempt: int
+
+
+def _claim(sessions: SessionFactory, job_id: str, worker_id: str, budget_s: float) -> _Claimed | None:
+    tries = 0
+
+    def once() -> _Claimed | None:
+        nonlocal tries
+        tries += 1
+        with sessions() as s:
+            job = state.claim(s, job_id, worker_id)
+            if job is None and tries > 1:
+                # An earlier try may have committed the claim and lost the reply.
+                row = s.get(Job, job_id, populate_existing=True)
+                if row is not None and row.status == RUNNING and row.worker_id == worker_id:
+                    job = row
+            if job is None:
+                return None
+            return _Claimed(job.model_id, dict(job.request), dict(job.config), job.model_revision, job.attempts)
+
+    return retry_db(once, f"claim of job {job_id}", budget_s)
 
 
 def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id: str | None = None) -> Outcome:
-    """One attempt at the job. Idempotent: a job that is not queued is left alone."""
+    """One attempt at the job. Idempotent: a job that is not queued is left alone.
+
+    Every database write is retried through an outage (cfg.db_retry_s); only an outage longer
+    than that abandons the attempt (the job is left running without heartbeats, and the sweep
+    re-queues it)."""
     worker_id = worker_id or default_worker_id()
-    with sessions() as s:
-        job = state.claim(s, job_id, worker_id)
-        if job is None:
-            log.info("job %s: nothing to claim (duplicate delivery, finished or cancelled)", job_id)
-            return Outcome("skipped")
-        model_id, request, config = job.model_id, dict(job.request), dict(job.config)
-        pinned, attempt = job.model_revision, job.attempts
+    try:
+        claimed = _claim(sessions, job_id, worker_id, cfg.db_retry_s)
+    except DatabaseUnavailableError as exc:
+        log.error("job %s: not claimed: %s (the sweep sends it again)", job_id, exc)
+        return Outcome("lost", str(exc))
+    if claimed is None:
+        log.info("job %s: nothing to claim (duplicate delivery, finished or cancelled)", job_id)
+        return Outcome("skipped")
+    attempt = claimed.attempt
     log.info("job %s: claimed by %s (attempt %d) on %s", job_id, worker_id, attempt, cfg.device)
     writer = ProgressWriter(
-        sessions, job_id, worker_id, min_interval=cfg.progress_min_interval_s, layer_delay=cfg.debug_layer_delay_s
+        sessions,
+        job_id,
+        worker_id,
+        min_interval=cfg.progress_min_interval_s,
+        layer_delay=cfg.debug_layer_delay_s,
+        db_retry_s=cfg.db_retry_s,
     )
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     try:
         with heartbeating(writer, cfg.heartbeat_interval_s):
-            _run_attempt(sessions, job_id, worker_id, cfg, writer, staging, model_id, request, config, pinned)
+            _run_attempt(
+                sessions, job_id, worker_id, cfg, writer, staging,
+                claimed.model_id, claimed.request, claimed.config, claimed.pinned,
+            )
+        storage_recovered()
         return Outcome("succeeded")
-    except (OperationalError, DBAPIError):
-        # The database is unreachable: nothing can be recorded. The heartbeat stops, so the
-        # sweep re-queues the job (bounded attempts); Celery logs this exception.
-        raise
+    except DatabaseUnavailableError as exc:
+        # Longer than cfg.db_retry_s: nothing can be recorded. The heartbeat stops, so the
+        # sweep re-queues the job (bounded attempts).
+        log.error("job %s: attempt abandoned: %s", job_id, exc)
+        return Outcome("lost", str(exc))
     except (CancelledError, state.JobCancelRequestedError) as exc:
-        return _stop(sessions, job_id, worker_id, str(exc))
+        return _stop(sessions, job_id, worker_id, str(exc), cfg.db_retry_s)
     except state.IllegalTransitionError as exc:
         log.warning("job %s: lost ownership (%s)", job_id, exc)
         return Outcome("lost", str(exc))
     except Exception as exc:
         # (KeyboardInterrupt / SystemExit are not failures of the job: they propagate and the
         # job, left running without heartbeats, is re-queued by the sweep.)
-        code = job_error_code(exc)
-        message = f"{exc}" if isinstance(exc, HiggsError) else f"{type(exc).__name__}: {exc}"
-        if code in ("internal_error", "engine_error"):
-            log.exception("job %s failed", job_id)
-        else:
-            log.warning("job %s failed: %s: %s", job_id, code, message)
-        try:
-            with sessions() as s:
-                state.fail(s, job_id, code, message or code, worker_id=worker_id)
-        except state.IllegalTransitionError as e:
-            log.warning("job %s: could not record the failure (%s)", job_id, e)
-            return Outcome("lost", str(e))
-        return Outcome("failed", f"{code}: {message}")
+        if isinstance(exc, DBAPIError) and is_transient(exc):
+            log.error("job %s: attempt abandoned: the database is unreachable (%s)", job_id, exc)
+            return Outcome("lost", str(exc))
+        if is_storage_full(exc):
+            remove_tree(staging)
+            return _wait_for_storage(sessions, job_id, worker_id, cfg, exc)
+        return _fail(sessions, job_id, worker_id, cfg, exc)
     finally:
         remove_tree(staging)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
+
+
+def _fail(sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: Exception) -> Outcome:
+    code = job_error_code(exc)
+    message = public_message(exc, message_roots(cfg))
+    if code in ("internal_error", "engine_error"):
+        log.exception("job %s failed", job_id)
+    else:
+        log.warning("job %s failed: %s: %s", job_id, code, message)
+    tries = 0
+
+    def once() -> None:
+        nonlocal tries
+        tries += 1
+        try:
+            with sessions() as s:
+                state.fail(s, job_id, code, message or code, worker_id=worker_id)
+        except state.IllegalTransitionError:
+            if tries > 1 and _ours_now(sessions, job_id, worker_id, FAILED, cfg.db_retry_s):
+                return
+            raise
+
+    try:
+        retry_db(once, f"failure of job {job_id}", cfg.db_retry_s)
+    except state.IllegalTransitionError as e:
+        log.warning("job %s: could not record the failure (%s)", job_id, e)
+        return Outcome("lost", str(e))
+    except DatabaseUnavailableError as e:
+        log.error("job %s: could not record the failure: %s", job_id, e)
+        return Outcome("lost", str(e))
+    return Outcome("failed", f"{code}: {message}")
+
+
+# ---------------------------------------------------------------- a full disk
+
+# Set while this process has seen the artifacts volume full and no job has succeeded since:
+# the operator is told once, not once per job.
+_storage_full_since: float | None = None
+
+
+def storage_recovered() -> None:
+    global _storage_full_since
+    if _storage_full_since is not None:
+        log.info("the artifacts volume has room again (a job was published)")
+        _storage_full_since = None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the volume holding `path` (its nearest existing parent); None if unknown."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _wait_for_storage(
+    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
+) -> Outcome:
+    """The volume is full: the job goes back to the queue (its attempt not counted) with error
+    storage_full; the sweep sends it again once the artifacts volume has more room."""
+    global _storage_full_since
+    free = free_bytes(cfg.artifacts_dir)
+    shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
+    message = (
+        "the server's storage is full (no space left on device); the job waits in the queue "
+        "and runs again once space is freed"
+    )
+    if _storage_full_since is None:
+        _storage_full_since = time.monotonic()
+        log.error(
+            "storage full: %s (%s free on the artifacts volume %s after cleanup); job %s and any "
+            "other job that needs space wait in the queue until space is freed",
+            storage_error_text(exc), shown, cfg.artifacts_dir, job_id,
+        )
+    else:
+        log.info("job %s: storage still full; back in the queue", job_id)
+
+    def once() -> bool:
+        with sessions() as s:
+            return state.wait_for_storage(s, job_id, message, free, worker_id=worker_id)
+
+    try:
+        requeued = retry_db(once, f"storage wait of job {job_id}", cfg.db_retry_s)
+    except DatabaseUnavailableError as e:
+        log.error("job %s: could not record the storage wait: %s", job_id, e)
+        return Outcome("lost", str(e))
+    if not requeued:  # cancel requested meanwhile, or the job is no longer ours
+        return _stop(sessions, job_id, worker_id, "storage full", cfg.db_retry_s)
+    return Outcome("storage_full", message)
 
 
 def _run_attempt(
@@ -353,8 +511,13 @@ def _run_attempt(
         offline=cfg.hf_offline,
     )
     if source.revision and source.revision != pinned:
-        with sessions() as s:
-            state.record_model_revision(s, job_id, source.revision, worker_id=worker_id)
+        revision = source.revision
+
+        def record_revision() -> None:
+            with sessions() as s:
+                state.record_model_revision(s, job_id, revision, worker_id=worker_id)
+
+        retry_db(record_revision, f"model revision of job {job_id}", cfg.db_retry_s)
     if writer("resolving", 1, 1) is False:
         raise CancelledError("cancelled after the model was resolved")
     engine_cfg = HiggsConfig.from_dict(config["engine"])
@@ -401,8 +564,23 @@ def _run_attempt(
     try:
         rows = artifact_rows(final, list(engine_cfg.formats))
         report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
-        with sessions() as s:
-            state.succeed(s, job_id, report_dict, None, rows, worker_id=worker_id, model_revision=source.revision)
+        tries = 0
+
+        def record() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                with sessions() as s:
+                    state.succeed(
+                        s, job_id, report_dict, None, rows, worker_id=worker_id, model_revision=source.revision
+                    )
+            except state.IllegalTransitionError:
+                # A retry after a commit whose reply was lost finds the job already ours.
+                if tries > 1 and _ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
+                    return
+                raise
+
+        retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
     except BaseException:
         # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
         remove_tree(final)
@@ -414,16 +592,20 @@ def _run_attempt(
     return final
 
 
-def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str) -> Outcome:
+def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str, budget_s: float = 300.0) -> Outcome:
     """The engine stopped on request: cancelled if the user asked and we own the job; else lost."""
-    job = _job_snapshot(sessions, job_id)
+    job = _job_snapshot(sessions, job_id, budget_s)
     if job is None:
         return Outcome("lost", "the job row disappeared")
     if job.status == CANCELLED:
         return Outcome("cancelled", why)
     if job.status == RUNNING and job.worker_id == worker_id and job.cancel_requested:
-        with sessions() as s:
-            state.mark_cancelled(s, job_id, worker_id=worker_id)
+
+        def cancel() -> None:
+            with sessions() as s:
+                state.mark_cancelled(s, job_id, worker_id=worker_id)
+
+        retry_db(cancel, f"cancellation of job {job_id}", budget_s)
         log.info("job %s: cancelled (%s)", job_id, why)
         return Outcome("cancelled", why)
     log.warning("job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status)

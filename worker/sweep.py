@@ -4,17 +4,31 @@
    fail with code "worker_lost" once max_attempts claims were used (app.jobs.state.requeue_stale).
 2. Queued jobs that never reached the broker (the broker was down at submit time, or step 1
    just re-queued them) are sent again, and marked as enqueued.
+3. Queued jobs sent more than settings.queued_resend_s ago and still not claimed are sent
+   again when the broker holds fewer messages than there are such jobs (messages were lost:
+   Redis restarted without persistence, a failover, a flush). A duplicate is harmless: the
+   claim is a compare-and-set, so the second delivery finds nothing to claim.
+4. Jobs that went back to the queue because the storage was full (error storage_full) are
+   sent again once the artifacts volume has more free space than after their attempt, or
+   after settings.storage_retry_s.
 
 Every step is a compare-and-set in app.jobs.state, so several workers may sweep at once.
+
+A database outage stops heartbeats as well as the sweep: after a pass that failed, step 1 is
+skipped until heartbeat_timeout_s has passed with the database reachable, so that workers that
+rode out the outage (they retry their writes) get to beat again before anyone judges them.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,6 +39,8 @@ from app.settings import Settings
 log = logging.getLogger("worker.sweep")
 
 Enqueue = Callable[[str], bool]
+# Messages waiting in the broker for the job queues; None when it cannot be read.
+Depth = Callable[[], "int | None"]
 
 
 @dataclass
@@ -34,6 +50,9 @@ class SweepResult:
     cancelled: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
     send_failed: list[str] = field(default_factory=list)
+    # Sent again: unclaimed past queued_resend_s (step 3), waiting for storage (step 4).
+    resent: list[str] = field(default_factory=list)
+    storage: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, list[str]]:
         return {
@@ -42,21 +61,48 @@ class SweepResult:
             "cancelled": self.cancelled,
             "sent": self.sent,
             "send_failed": self.send_failed,
+            "resent": self.resent,
+            "storage": self.storage,
         }
 
 
-def sweep(sessions: sessionmaker[Session], settings: Settings, enqueue: Enqueue) -> SweepResult:
-    """One pass; `enqueue(job_id)` sends the task and returns False when the broker is down."""
+def sweep(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    enqueue: Enqueue,
+    depth: Depth | None = None,
+    *,
+    requeue_stale: bool = True,
+) -> SweepResult:
+    """One pass; `enqueue(job_id)` sends the task and returns False when the broker is down;
+    `depth()` counts the messages waiting in the broker (None: unknown, so step 3 re-sends)."""
     now = utcnow()
     out = SweepResult()
-    with sessions() as s:
-        stale = state.requeue_stale(s, now, settings.heartbeat_timeout_s, settings.max_attempts)
-    out.requeued, out.failed, out.cancelled = stale.requeued, stale.failed, stale.cancelled
+    if requeue_stale:
+        with sessions() as s:
+            stale = state.requeue_stale(s, now, settings.heartbeat_timeout_s, settings.max_attempts)
+        out.requeued, out.failed, out.cancelled = stale.requeued, stale.failed, stale.cancelled
     with sessions() as s:
         # Jobs just re-queued above are sent now; others only after the grace period, so a
         # submit whose enqueue is in flight is not sent twice (twice would be harmless anyway).
         pending = state.list_unenqueued(s, now - timedelta(seconds=settings.enqueue_grace_s))
-    for job_id in dict.fromkeys([*out.requeued, *pending]):
+    with sessions() as s:
+        unclaimed = state.list_unclaimed(s, now - timedelta(seconds=settings.queued_resend_s))
+    if unclaimed:
+        with sessions() as s:
+            expected = state.count_enqueued(s)
+        have = depth() if depth is not None else None
+        if have is not None and have >= expected:
+            unclaimed = []  # every sent job still has its message: they are only waiting
+        else:
+            log.warning(
+                "sweep: %d queued job(s) unclaimed for over %gs and the broker holds %s message(s) "
+                "for %d sent job(s): sending them again",
+                len(unclaimed), settings.queued_resend_s, "unknown" if have is None else have, expected,
+            )
+    out.resent = list(unclaimed)
+    out.storage = _storage_ready(sessions, settings)
+    for job_id in dict.fromkeys([*out.requeued, *pending, *out.resent, *out.storage]):
         if enqueue(job_id):
             with sessions() as s:
                 state.mark_enqueued(s, job_id)
@@ -68,13 +114,64 @@ def sweep(sessions: sessionmaker[Session], settings: Settings, enqueue: Enqueue)
     return out
 
 
+def volume_free(path: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the volume holding `path`, None when it cannot be read."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return None
+    return usage.free, usage.total
+
+
+def _storage_ready(sessions: sessionmaker[Session], settings: Settings) -> list[str]:
+    """Jobs waiting for storage that may run now: the artifacts volume has more free space
+    than when they were put back (by a margin: 1% of the volume, at most 64 MiB), or they
+    waited storage_retry_s (a quota, or another volume, that the free space does not show)."""
+    with sessions() as s:
+        waiting = state.list_storage_waiting(s)
+    if not waiting:
+        return []
+    space = volume_free(settings.artifacts_path)
+    ready = []
+    for w in waiting:
+        waited = (utcnow() - w.since).total_seconds()
+        if waited >= settings.storage_retry_s:
+            ready.append(w.job_id)
+        elif space is not None and w.free_bytes is not None:
+            free, total = space
+            if free > w.free_bytes + min(64 * 2**20, total // 100):
+                ready.append(w.job_id)
+        elif space is None or w.free_bytes is None:
+            ready.append(w.job_id)  # nothing to compare: try (the runner re-checks by writing)
+    if ready:
+        free_mib = "unknown" if space is None else f"{space[0] / 2**20:.1f} MiB"
+        log.info("sweep: storage has room again (%s free): sending %d waiting job(s)", free_mib, len(ready))
+    return ready
+
+
 class SweepThread:
     """Runs sweep() every `interval` seconds in a daemon thread (inside the worker's main
     process, which stays free while the pool runs jobs)."""
 
-    def __init__(self, run_once: Callable[[], object], interval: float) -> None:
+    def __init__(
+        self,
+        run_once: Callable[[bool], object],
+        interval: float,
+        outage_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """run_once(requeue_stale) does one pass. After a pass that failed (the database or
+        broker away), passes run with requeue_stale=False until outage_grace_s (the heartbeat
+        timeout) has passed since the first pass that worked again."""
         self.run_once = run_once
         self.interval = interval
+        self.outage_grace_s = outage_grace_s
+        self.clock = clock
+        self._failed = False
+        self._back_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="higgs-sweep", daemon=True)
 
@@ -89,9 +186,25 @@ class SweepThread:
     def _loop(self) -> None:
         # First pass right away: a restarted worker picks up what its predecessor left.
         while True:
-            try:
-                self.run_once()
-            except Exception as e:  # the database or broker may be briefly away; try again later
-                log.warning("sweep failed: %s", e)
+            self.pass_once()
             if self._stop.wait(self.interval):
                 return
+
+    def stale_checks_allowed(self) -> bool:
+        if self._failed:
+            return False
+        return self._back_at is None or self.clock() - self._back_at >= self.outage_grace_s
+
+    def pass_once(self) -> None:
+        allowed = self.stale_checks_allowed()
+        try:
+            self.run_once(allowed)
+        except Exception as e:  # the database or broker may be briefly away; try again later
+            if not self._failed:
+                log.warning("sweep failed (stale-job checks paused until it works again): %s", e)
+            self._failed = True
+            return
+        if self._failed:
+            self._failed = False
+            self._back_at = self.clock()
+            log.info("sweep works again; stale-job checks resume in %gs", self.outage_grace_s)

@@ -77,6 +77,9 @@ class Job(Base):
     worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
     error_code: Mapped[str | None] = mapped_column(String(64), default=None)
     error_message: Mapped[str | None] = mapped_column(Text, default=None)
+    # A job back in the queue after its worker found the storage full (error_code storage_full):
+    # free bytes on the artifacts volume then. The sweep sends it again once there is more.
+    wait_free_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     summary: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     report: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # Seconds per stage of the last attempt, e.g. {"quantizing": 12.3}.

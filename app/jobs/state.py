@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -37,6 +37,7 @@ from app.errors import ConflictError, NotFoundError
 
 MAX_MESSAGE_CHARS = 4000
 WORKER_LOST = "worker_lost"
+STORAGE_FULL = "storage_full"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -150,6 +151,10 @@ def claim(session: Session, job_id: str, worker_id: str) -> Job | None:
             "stage_durations": None,
             "progress_done": 0,
             "progress_total": 0,
+            # What a previous attempt left (storage_full while waiting) belongs to it.
+            "error_code": None,
+            "error_message": None,
+            "wait_free_bytes": None,
         },
     )
     if not ok:
@@ -385,6 +390,96 @@ def fail(
     return _get(session, job_id)
 
 
+def wait_for_storage(
+    session: Session,
+    job_id: str,
+    message: str,
+    free_bytes: int | None,
+    *,
+    worker_id: str | None = None,
+) -> bool:
+    """running -> queued because the storage is full: the attempt is not counted, the job
+    shows error storage_full while it waits, and enqueued_at is cleared so that the sweep
+    sends it again once the artifacts volume has more than `free_bytes` free. False (nothing
+    changed) when cancel was requested or the job is not running (for this worker)."""
+    now = utcnow()
+    ok = _cas(
+        session,
+        job_id,
+        [Job.status == RUNNING, Job.cancel_requested.is_(False), *_owned(worker_id)],
+        {
+            "status": QUEUED,
+            "attempts": Job.attempts - 1,
+            "worker_id": None,
+            "stage": None,
+            "stage_started_at": None,
+            "progress_done": 0,
+            "progress_total": 0,
+            "heartbeat_at": None,
+            "enqueued_at": None,
+            "error_code": STORAGE_FULL,
+            "error_message": message[:MAX_MESSAGE_CHARS],
+            "wait_free_bytes": free_bytes,
+            "updated_at": now,
+        },
+    )
+    if not ok:
+        session.rollback()
+        return False
+    session.commit()
+    return True
+
+
+def release_lost(
+    session: Session, job_id: str, worker_id: str, max_attempts: int, reason: str
+) -> str | None:
+    """The process running the job (owned by worker_id) is known to be gone: back to queued
+    at once, or failed with code "worker_lost" once max_attempts claims were used, or
+    cancelled if cancel had been requested. Returns the new status, None when the job was not
+    running for that worker (finished, or someone else's)."""
+    now = utcnow()
+    row = session.execute(
+        select(Job.attempts, Job.cancel_requested).where(
+            Job.id == job_id, Job.status == RUNNING, Job.worker_id == worker_id
+        )
+    ).first()
+    if row is None:
+        session.rollback()
+        return None
+    attempts, cancel = row
+    values: dict[str, Any]
+    if cancel:
+        values = {"status": CANCELLED, "finished_at": now, "updated_at": now}
+    elif attempts >= max_attempts:
+        values = {
+            "status": FAILED,
+            "error_code": WORKER_LOST,
+            "error_message": f"{reason} on attempt {attempts} of {max_attempts}; giving up"[
+                :MAX_MESSAGE_CHARS
+            ],
+            "finished_at": now,
+            "updated_at": now,
+        }
+    else:
+        values = {
+            "status": QUEUED,
+            "worker_id": None,
+            "stage": None,
+            "stage_started_at": None,
+            "progress_done": 0,
+            "progress_total": 0,
+            "heartbeat_at": None,
+            # The broker gets the message back (the worker rejects it with requeue).
+            "enqueued_at": now,
+            "updated_at": now,
+        }
+    if not _cas(session, job_id, [Job.status == RUNNING, Job.worker_id == worker_id], values):
+        session.rollback()
+        return None
+    session.commit()
+    return str(values["status"])
+
+
 def mark_cancelled(session: Session, job_id: str, *, worker_id: str | None = None) -> Job:
     """running | queued -> cancelled (the runner stopped). Idempotent on a cancelled job."""
     now = utcnow()
@@ -442,16 +537,65 @@ def mark_enqueued(session: Session, job_id: str, now: datetime | None = None) ->
 
 
 def list_unenqueued(session: Session, older_than: datetime, limit: int = 100) -> list[str]:
-    """Ids of queued jobs created before `older_than` that never reached the broker."""
+    """Ids of queued jobs created before `older_than` that never reached the broker (jobs
+    waiting for storage excepted: list_storage_waiting)."""
     stmt = (
         select(Job.id)
-        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.created_at < older_than)
+        .where(
+            Job.status == QUEUED,
+            Job.enqueued_at.is_(None),
+            Job.created_at < older_than,
+            Job.error_code.is_(None) | (Job.error_code != STORAGE_FULL),
+        )
         .order_by(Job.created_at)
         .limit(limit)
     )
     ids = list(session.scalars(stmt).all())
     session.rollback()
     return ids
+
+
+def list_unclaimed(session: Session, enqueued_before: datetime, limit: int = 100) -> list[str]:
+    """Ids of queued jobs sent to the broker before `enqueued_before` and still not claimed
+    (their message may be lost: a broker restarted without persistence, a failover)."""
+    stmt = (
+        select(Job.id)
+        .where(Job.status == QUEUED, Job.enqueued_at < enqueued_before)
+        .order_by(Job.enqueued_at)
+        .limit(limit)
+    )
+    ids = list(session.scalars(stmt).all())
+    session.rollback()
+    return ids
+
+
+def count_enqueued(session: Session) -> int:
+    """Queued jobs whose message was sent (each should have one waiting in the broker)."""
+    n = session.scalar(
+        select(func.count()).select_from(Job).where(Job.status == QUEUED, Job.enqueued_at.is_not(None))
+    )
+    session.rollback()
+    return int(n or 0)
+
+
+@dataclass(frozen=True)
+class StorageWait:
+    job_id: str
+    free_bytes: int | None
+    since: datetime
+
+
+def list_storage_waiting(session: Session, limit: int = 100) -> list[StorageWait]:
+    """Queued jobs put back because the storage was full, not yet sent again."""
+    stmt = (
+        select(Job.id, Job.wait_free_bytes, Job.updated_at)
+        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.error_code == STORAGE_FULL)
+        .order_by(Job.updated_at)
+        .limit(limit)
+    )
+    rows = [StorageWait(i, b, u) for i, b, u in session.execute(stmt).all()]
+    session.rollback()
+    return rows
 
 
 def requeue_stale(

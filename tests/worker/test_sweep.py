@@ -134,7 +134,7 @@ def test_sweep_thread_runs_until_stopped() -> None:
     import threading
 
     calls = threading.Semaphore(0)
-    thread = SweepThread(lambda: calls.release(), interval=0.01)
+    thread = SweepThread(lambda _requeue_stale: calls.release(), interval=0.01)
     thread.start()
     for _ in range(3):
         assert calls.acquire(timeout=5)
