@@ -2,7 +2,7 @@
 
 Per layer l and option j: cost c_lj = bits the layer occupies with option j (codes, fp16 scales
 of its real block layout, the fp16 grid), error e_lj = alpha_l * mse_lj (the linearity theorem,
-ALGORITHM.md section 2). Minimise sum e subject to sum c <= budget.
+docs/algorithm.md section 4). Minimise sum e subject to sum c <= budget.
 
 Discretisation. One cost unit is `resolution * total_numel` bits (1e-4 bits per weight by
 default). Costs are measured from each layer's cheapest option and rounded UP to whole units,

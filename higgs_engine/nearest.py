@@ -10,7 +10,7 @@ closest in Euclidean distance. Fast paths:
   exactly. Tuples outside the table fall back to brute force. The table is built through a
   coarser level of candidate lists, so building costs O(cells * few) rather than O(cells * n).
 - otherwise: chunked brute force, argmin over ||c||^2 - 2 z.c.
-- tuples on an accelerator (CUDA): `nearest_points_matmul`, ALGORITHM.md's chunked matrix
+- tuples on an accelerator (CUDA): `nearest_points_matmul`, docs/algorithm.md's chunked matrix
   product argmax 2 z.c - ||c||^2 in float32 on the device, whose two best points are then
   re-checked in float64 so that float32 rounding cannot pick the wrong point at a near-tie.
 nearest_points_reference is the float64 brute-force twin the fast paths are tested against;

@@ -1,6 +1,6 @@
 """A model's sensitivity profile: alpha_l such that metric change ~= sum_l alpha_l * t_l^2.
 
-Two ways to measure it (ALGORITHM.md section 2):
+Two ways to measure it (docs/algorithm.md section 4):
 
 - Noise injection (the paper's way, `method="noise"`): perturb ONE layer at a time,
   W <- W + sqrt(t^2) * ||W||_F / sqrt(numel) * N(0, 1), at two or more levels t^2, measure the

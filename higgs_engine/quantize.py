@@ -1,4 +1,4 @@
-"""Quantize / dequantize one weight matrix with HIGGS (ALGORITHM.md section 1).
+"""Quantize / dequantize one weight matrix with HIGGS (docs/algorithm.md section 1).
 
 W (out, in) -> rotate each row blockwise (y = Hn D x) -> per scale group of g rotated values,
 s = RMS in fp16 -> z = y / s cut into p-tuples -> index of the nearest point of the (p, n)

@@ -50,7 +50,7 @@ from worker.messages import is_storage_full, message_roots, public_message, stor
 log = logging.getLogger("worker.runner")
 
 STAGING = ".staging"
-# Engine error codes that are also job error codes, as they are (API.md "error.code").
+# Engine error codes that are also job error codes, as they are (docs/api.md, job "error").
 ENGINE_CODES = frozenset(
     {
         "invalid_config",

@@ -1,4 +1,4 @@
-"""Request and response bodies of the jobs API (API.md). Unknown fields are refused."""
+"""Request and response bodies of the jobs API (docs/api.md). Unknown fields are refused."""
 
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def record_model_revision(
 
 
 def summary_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The job's `summary` (API.md) from a report.json dict; figures it lacks are null."""
+    """The job's `summary` (docs/api.md) from a report.json dict; figures it lacks are null."""
     metrics = report.get("metrics") or {}
     return {
         "bits_per_weight": report.get("bits_per_weight"),

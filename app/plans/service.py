@@ -1,5 +1,5 @@
 """POST /v1/plans: the predicted quality-versus-size curve and the per-layer allocation for a
-target, from the model's cached profile, without quantizing (API.md "Plans")."""
+target, from the model's cached profile, without quantizing (docs/api.md "Plans")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The direction of imports (ARCHITECTURE.md), checked on every import statement in the repo,
+"""The direction of imports (docs/architecture.md), checked on every import statement in the repo,
 including imports inside functions, plus a runtime check that the API never loads torch."""
 
 from __future__ import annotations
