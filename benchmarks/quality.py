@@ -53,7 +53,7 @@ from devtools.quality import (  # noqa: E402
     select_methods,
 )
 
-# (winner, loser) pairs the issue sets as targets, on every model.
+# The quality targets: (winner, loser) pairs, checked on every model.
 TARGETS = [
     ("HIGGS p=2 n=256", "RTN-4 g128"),
     ("HIGGS p=2 n=64", "HQQ-3 g64"),

@@ -1,7 +1,7 @@
-"""Copy the latest measured tables from benchmarks/results/*.md into README.md.
+"""Write benchmarks/README.md from the latest measured tables in benchmarks/results/*.md.
 
-Replaces everything from the "## Benchmarks (latest measured tables)" heading to the end of the
-README; measures nothing. Run after a benchmark: `python benchmarks/readme_tables.py`.
+Measures nothing: it copies each results file (written by the named script in one run) under a
+heading. Run after a benchmark: `python benchmarks/readme_tables.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-MARKER = "\n## Benchmarks (latest measured tables)\n"
 SECTIONS = [  # (results file stem, script that writes it)
     ("quality_smollm2", "quality.py --model smollm2"),
     ("rtn_crosscheck", "rtn_crosscheck.py"),
@@ -22,45 +21,51 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("allocator_speed", "allocator_speed.py"),
     ("service", "service_bench.py"),
 ]
-INTRO = """
-Every table below was written by the named script in one run on this project's 2-core CPU
-machine (no GPU was lent to this task) and is copied from `benchmarks/results/` (JSON beside
-each) by `benchmarks/readme_tables.py`. The machine was shared with other work during some runs
-(each table gives its load average), so wall times are noisy; speed ratios come from interleaved
-runs in one process. Rerun with `.venv/bin/python benchmarks/<script>`.
+OUT = ROOT / "benchmarks" / "README.md"
+HEADER = """# Benchmarks (latest measured tables)
+
+Every table below was written by the named script in one run on a shared 2-core CPU machine
+without a GPU, and is copied from `results/` (JSON beside each) by `readme_tables.py`; nothing
+here is typed in by hand. Other work ran on the machine during some runs (each table gives its
+load average), so wall times are noisy; speed ratios come from interleaved runs in one process.
+Rerun a benchmark with `.venv/bin/python benchmarks/<script>`, then
+`.venv/bin/python benchmarks/readme_tables.py`. `scripts/gpu_check` runs `gpu_speed.py` (CPU
+versus CUDA timings) on a machine with CUDA; it has no table here until it has run on one.
 """
 
 
-def demote(line: str) -> str:
-    """'# T' -> '### T', '## T' -> '#### T', '### T' stays: tables nest under this section."""
-    if line.startswith("### "):
-        return line
-    if line.startswith("## "):
-        return "####" + line[2:]
-    if line.startswith("# "):
-        return "###" + line[1:]
-    return line
+def heading_level(line: str) -> int:
+    """Number of leading '#' of a markdown heading line ('# T' -> 1), 0 for other lines."""
+    hashes = len(line) - len(line.lstrip("#"))
+    return hashes if hashes and line[hashes : hashes + 1] == " " else 0
+
+
+def nest(lines: list[str]) -> list[str]:
+    """Shift every heading so that the file's top level becomes '##' (under the page title)."""
+    levels = [heading_level(ln) for ln in lines if heading_level(ln)]
+    if not levels:
+        return lines
+    shift = 2 - min(levels)
+    return [
+        "#" * (heading_level(ln) + shift) + ln[heading_level(ln) :] if heading_level(ln) else ln
+        for ln in lines
+    ]
 
 
 def section(stem: str, script: str) -> str:
     md = (RESULTS / f"{stem}.md").read_text().strip().splitlines()
-    lines = [demote(ln) for ln in md]
-    lines = [
-        ln.replace("](", "](benchmarks/results/", 1) if ln.startswith("![") else ln for ln in lines
-    ]
-    return (
-        f"<!-- from benchmarks/results/{stem}.md, written by benchmarks/{script} -->\n\n"
-        + "\n".join(lines)
-    )
+    lines = nest(md)
+    lines = [ln.replace("](", "](results/", 1) if ln.startswith("![") else ln for ln in lines]
+    return f"<!-- from results/{stem}.md, written by {script} -->\n\n" + "\n".join(lines)
+
+
+def render() -> str:
+    body = [section(stem, script) for stem, script in SECTIONS if (RESULTS / f"{stem}.md").exists()]
+    return HEADER + "\n" + "\n\n".join(body) + "\n"
 
 
 def main() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if MARKER in text:
-        text = text[: text.index(MARKER)]
-    body = [section(stem, script) for stem, script in SECTIONS if (RESULTS / f"{stem}.md").exists()]
-    readme.write_text(text.rstrip() + "\n" + MARKER + INTRO + "\n" + "\n\n".join(body) + "\n")
+    OUT.write_text(render())
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def register(subparsers: Any) -> None:
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     dyn = _dynamic_hooks()
     if dyn is not None:
-        dyn.add_quantize_args(q)  # --avg-bits / --max-ppl-increase / --profile ... (issue 4)
+        dyn.add_quantize_args(q)  # --avg-bits / --max-ppl-increase / --profile ...
     q.set_defaults(handler=cmd_quantize)
 
     e = subparsers.add_parser(

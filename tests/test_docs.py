@@ -1,0 +1,70 @@
+"""The documentation stays true and self-contained: the README's settings table lists exactly
+the service's settings, relative links in the README and docs/ resolve, and nothing in the
+repository points at design notes outside it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from app.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
+
+
+def settings_table_variables(readme: str) -> set[str]:
+    section = readme[readme.index("### Settings") :]
+    section = section[: section.index("\n#", 1)]
+    return set(re.findall(r"^\| `(HIGGS_[A-Z0-9_]+)` \|", section, flags=re.MULTILINE))
+
+
+def test_readme_settings_table_lists_every_setting() -> None:
+    documented = settings_table_variables((ROOT / "README.md").read_text())
+    fields = {f"HIGGS_{name.upper()}" for name in Settings.model_fields}
+    assert sorted(fields - documented) == [], "settings missing from the README table"
+    assert sorted(documented - fields) == [], "README table rows that are no setting"
+
+
+def test_settings_table_parser_sees_rows() -> None:
+    text = "### Settings\n\n| variable | default |\n|---|---|\n| `HIGGS_A_B` | `1` |\n\n## Next\n"
+    assert settings_table_variables(text) == {"HIGGS_A_B"}
+
+
+def test_relative_links_resolve() -> None:
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (doc.parent / target).exists():
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert broken == []
+
+
+def test_docs_exist() -> None:
+    for name in ("api.md", "algorithm.md", "architecture.md"):
+        assert (ROOT / "docs" / name).stat().st_size > 1000, name
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    pattern = re.compile(r"\.\./shared|shared/design|\b(API|ALGORITHM|ARCHITECTURE|STYLE)\.md\b")
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".toml", ".yml", ".yaml", ".ini", ".cfg", ""}:
+            continue
+        if not path.is_file() or path.is_symlink():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line) and path != Path(__file__).resolve():
+                hits.append(f"{name}:{i}: {line.strip()[:100]}")
+    assert hits == []
