@@ -35,6 +35,7 @@ from higgs_engine.report import LayerReport, Report
 if TYPE_CHECKING:
     import torch
 
+    from higgs_engine.calibration import Calibration
     from higgs_engine.quantize import QuantizedMatrix
 
 
@@ -116,6 +117,62 @@ def plan_layers(specs: list[LayerSpec], config: HiggsConfig) -> list[LayerPlan]:
     return plans
 
 
+def calibrate_layers(
+    path: Path,
+    hf_config: object,
+    reader: CheckpointReader,
+    todo: list[LayerPlan],
+    config: HiggsConfig,
+    calibration: Calibration,
+    progress: ProgressCallback | None = None,
+) -> tuple[dict[str, QuantizedMatrix], dict[str, object]]:
+    """Calibrated HIGGS of every planned layer: GPTQ with the layer's HIGGS grid and the Hessian
+    of its inputs from the block-by-block pass. Returns ({name: q}, the report's calibration
+    entry). Layers the pass cannot reach (outside the transformer blocks) are left out of the
+    dict: the pipeline quantizes them without data and the entry lists them."""
+    from higgs_engine.calibration import run_calibrated
+    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_higgs_many
+
+    grids: dict[str, tuple[int, int]] = {
+        pl.spec.name: pl.grid for pl in todo if pl.grid is not None
+    }
+    out: dict[str, QuantizedMatrix] = {}
+
+    def quantize(
+        group: list[LayerSpec], ws: list[torch.Tensor], hessian: torch.Tensor
+    ) -> list[torch.Tensor]:
+        # Layers with one input and one grid are swept together (rows are independent).
+        w_hats: dict[str, torch.Tensor] = {}
+        for grid in dict.fromkeys(grids[s.name] for s in group):
+            idx = [i for i, s in enumerate(group) if grids[s.name] == grid]
+            res = gptq_higgs_many(
+                [ws[i] for i in idx],
+                hessian,
+                grid[0],
+                grid[1],
+                group_size=config.group_size,
+                rotation_block=config.rotation_block,
+                sign_seed=config.sign_seed,
+            )
+            for i, (q, w_hat) in zip(idx, res, strict=True):
+                out[group[i].name] = q
+                w_hats[group[i].name] = w_hat
+        return [w_hats[s.name] for s in group]
+
+    outside = run_calibrated(
+        path, hf_config, reader, [pl.spec for pl in todo], calibration, quantize, progress
+    )
+    info: dict[str, object] = {
+        **calibration.describe(),
+        "method": "gptq",
+        "damp": DEFAULT_DAMP,
+        "block": DEFAULT_BLOCK,
+        "layers_calibrated": len(out),
+        "layers_without_data": outside,
+    }
+    return out, info
+
+
 # ---------------------------------------------------------------------------------------------
 # Output directory
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +250,7 @@ def quantize_checkpoint(
     hub_cache_dir: Path | None = None,
     local_files_only: bool = False,
     device: str | None = None,
+    calibration: Calibration | None = None,
 ) -> Report:
     """Quantize `source` (local dir, .gguf file or Hub id) into `out_dir` and return the Report.
 
@@ -203,6 +261,10 @@ def quantize_checkpoint(
     is refused unless `overwrite`, in which case it is replaced only once the new one is ready.
     device: where rotation and search run ("auto" = CUDA when usable; default the CPU); the
     checkpoint is still streamed tensor by tensor and the artifacts written from the CPU.
+    calibration: calibrated HIGGS (GPTQ with HIGGS grids, higgs_engine.gptq) with the Hessians
+    of a block-by-block pass over these token windows (stage "calibrating", layers done/total);
+    the artifacts have the same format, only codes and scales differ. The report's
+    metrics["calibration"] says which text (sha256, tokens) was used.
     """
     from higgs_engine.device import resolve_device
 
@@ -224,6 +286,7 @@ def quantize_checkpoint(
             hub_cache_dir,
             local_files_only,
             dev,
+            calibration,
         )
         _publish(tmp, out_dir)
         return rep
@@ -247,6 +310,7 @@ def _run(
     hub_cache_dir: Path | None,
     local_files_only: bool,
     device: torch.device,
+    calibration: Calibration | None = None,
 ) -> Report:
     from higgs_engine.artifacts import ArtifactWriter
 
@@ -284,6 +348,14 @@ def _run(
         rows: dict[str, LayerReport] = {}
         done = 0
         try:
+            calibrated: dict[str, QuantizedMatrix] = {}
+            cal_info: dict[str, object] | None = None
+            if calibration is not None:
+                t_cal = time.perf_counter()
+                calibrated, cal_info = calibrate_layers(
+                    src.path, hf_config, reader, todo, config, calibration, progress
+                )
+                timings["calibrating"] = time.perf_counter() - t_cal
             for key in reader:
                 pl = by_key.get(key)
                 if pl is None or pl.grid is None:
@@ -303,7 +375,14 @@ def _run(
                     continue
                 p, n = pl.grid
                 w = pl.spec.weight(reader)  # (out, in) float32
-                q, w_hat, err = quantize_layer_full(w, p, n, config, device)
+                if pl.spec.name in calibrated:
+                    from higgs_engine.quantize import dequantize_matrix, relative_error
+
+                    q = calibrated.pop(pl.spec.name)
+                    w_hat = dequantize_matrix(q)
+                    err = float(relative_error(w, w_hat))
+                else:
+                    q, w_hat, err = quantize_layer_full(w, p, n, config, device)
                 del w
                 nbytes = writer.add_quantized(pl.spec, q, w_hat)
                 del w_hat
@@ -351,6 +430,8 @@ def _run(
         ),
         "files": files,
     }
+    if cal_info is not None:
+        metrics["calibration"] = cal_info
     rep = Report(
         bits_per_weight=8.0 * lin_bytes / lin_numel,
         bits_per_param_total=8.0 * writer.native_bytes / params_total,

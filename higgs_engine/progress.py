@@ -10,7 +10,17 @@ from higgs_engine.errors import CancelledError
 # cancels the work at the next layer boundary.
 ProgressCallback = Callable[[str, int, int], "bool | None"]
 
-STAGES = ("resolving", "loading", "generating", "profiling", "allocating", "quantizing", "evaluating", "packaging")
+STAGES = (
+    "resolving",
+    "loading",
+    "generating",
+    "profiling",
+    "allocating",
+    "calibrating",
+    "quantizing",
+    "evaluating",
+    "packaging",
+)
 
 
 def report(progress: ProgressCallback | None, stage: str, done: int, total: int) -> None:

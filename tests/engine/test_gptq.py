@@ -1,0 +1,161 @@
+"""GPTQ with HIGGS grids (higgs_engine.gptq): the fast path equals its slow twin, H = I gives
+data-free HIGGS, calibration lowers the output error on correlated inputs, and GPTQ int4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from higgs_engine.baselines import rtn_quantize
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.gptq import (
+    HessianAccumulator,
+    gptq_higgs,
+    gptq_higgs_many,
+    gptq_higgs_reference,
+    gptq_rtn,
+    output_error,
+    rotate_hessian,
+)
+from higgs_engine.hadamard import block_layout, random_signs, rotate
+from higgs_engine.quantize import dequantize_matrix, quantize_matrix
+
+GRIDS = [(1, 16), (2, 256), (2, 64)]
+
+
+def _correlated(tokens: int, width: int, seed: int) -> torch.Tensor:
+    """Inputs with strongly correlated features (a random mixing matrix plus a few loud ones)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(width, width, generator=g) / width**0.5 + 0.3 * torch.eye(width)
+    x = torch.randn(tokens, width, generator=g) @ mix
+    x[:, :4] *= 8.0
+    return x
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1])
+    for part in x.split(300):
+        acc.add(part)
+    return acc.hessian()
+
+
+@pytest.fixture(scope="module")
+def problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # 320 = 256 + 64: two rotation blocks, a short last scale group.
+    x = _correlated(1500, 320, seed=1)
+    w = torch.randn(48, 320, generator=torch.Generator().manual_seed(2))
+    return x, w, _hessian(x)
+
+
+def test_hessian_accumulator_is_2xtx_over_tokens() -> None:
+    x = torch.randn(100, 8, dtype=torch.float64)
+    acc = HessianAccumulator(8)
+    acc.add(x[:30].float())
+    acc.add(x[30:].float())
+    assert acc.tokens == 100
+    torch.testing.assert_close(acc.hessian(), 2 * x.T @ x / 100, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidConfigError, match="width 9"):
+        acc.add(torch.zeros(2, 9))
+    with pytest.raises(InvalidConfigError, match="no calibration inputs"):
+        HessianAccumulator(8).hessian()
+
+
+def test_rotated_hessian_is_the_hessian_of_rotated_inputs() -> None:
+    x = torch.randn(64, 96, dtype=torch.float64)
+    layout = block_layout(96, 64)
+    signs = random_signs(96, 3)
+    xr = rotate(x, layout, signs)
+    torch.testing.assert_close(rotate_hessian(x.T @ x, layout, signs), xr.T @ xr)
+
+
+@pytest.mark.parametrize("p,n", GRIDS)
+@pytest.mark.parametrize("sign_seed", [None, 5])
+def test_fast_path_equals_reference(
+    problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: int, n: int, sign_seed: int | None
+) -> None:
+    _, w, h = problem
+    kw = dict(group_size=128, rotation_block=256, sign_seed=sign_seed)
+    # block 32: several lazy batches, a batch boundary inside every scale group.
+    q, w_hat = gptq_higgs(w, h, p, n, **kw, block=32, dtype=torch.float64)  # type: ignore[arg-type]
+    qr, w_ref = gptq_higgs_reference(w, h, p, n, **kw)  # type: ignore[arg-type]
+    assert torch.equal(q.codes, qr.codes)
+    assert torch.equal(q.scales, qr.scales)
+    torch.testing.assert_close(w_hat, w_ref)
+    # The returned W_hat is what the stored codes and scales dequantize to.
+    torch.testing.assert_close(w_hat, dequantize_matrix(q), rtol=1e-5, atol=1e-5)
+    # float32 (the production precision) lands on nearly the same codes.
+    q32, _ = gptq_higgs(w, h, p, n, **kw)  # type: ignore[arg-type]
+    same = (q32.codes == q.codes).float().mean().item()
+    assert same > 0.95
+
+
+@pytest.mark.parametrize("p,n", GRIDS)
+def test_identity_hessian_gives_data_free_higgs(p: int, n: int) -> None:
+    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
+    for sign_seed in (None, 7):
+        q, w_hat = gptq_higgs(
+            w, torch.eye(192), p, n, 64, 128, sign_seed, damp=0.0, dtype=torch.float64
+        )
+        ref = quantize_matrix(w, p, n, 64, 128, sign_seed)
+        assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+        assert q.meta() == ref.meta()
+        torch.testing.assert_close(w_hat, dequantize_matrix(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p,n", GRIDS)
+def test_calibration_lowers_the_output_error(
+    problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: int, n: int
+) -> None:
+    x, w, h = problem
+    x_test = _correlated(1500, 320, seed=1)[750:]  # same distribution
+    _, w_hat = gptq_higgs(w, h, p, n, group_size=128, rotation_block=256)
+    data_free = dequantize_matrix(quantize_matrix(w, p, n, 128, 256))
+    cal, free = output_error(x_test, w, w_hat), output_error(x_test, w, data_free)
+    assert cal < 0.8 * free, (cal, free)
+    # ... while bits per weight are exactly those of data-free HIGGS.
+    q, _ = gptq_higgs(w, h, p, n, group_size=128, rotation_block=256)
+    assert q.bits_per_weight() == quantize_matrix(w, p, n, 128, 256).bits_per_weight()
+
+
+def test_stacked_matrices_equal_separate_sweeps(
+    problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    _, w, h = problem
+    a, b = w[:20], w[20:]
+    many = gptq_higgs_many([a, b], h, 2, 256, 128, 256, dtype=torch.float64)
+    for part, (q, w_hat) in zip([a, b], many, strict=True):
+        q1, w1 = gptq_higgs(part, h, 2, 256, 128, 256, dtype=torch.float64)
+        assert torch.equal(q.codes, q1.codes) and torch.equal(q.scales, q1.scales)
+        torch.testing.assert_close(w_hat, w1)
+
+
+def test_gptq_int4_beats_rtn_on_the_output(
+    problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    x, w, h = problem
+    w_hat, bits = gptq_rtn(w, h, 4, 128)
+    assert bits == pytest.approx(4 + 32 / 128 * 3 / (320 / 128))  # 3 groups of <= 128 per row
+    rtn, _ = rtn_quantize(w, 4, 128)
+    assert output_error(x, w, w_hat) < 0.8 * output_error(x, w, rtn)
+    # Every row of every group holds at most 16 distinct values (a 4-bit uniform grid).
+    for g0 in range(0, 320, 128):
+        grp = w_hat[:, g0 : g0 + 128]
+        assert max(len(torch.unique(r)) for r in grp) <= 16
+    # H = I without damping: no error feedback, GPTQ is plain min-max RTN.
+    w_i, _ = gptq_rtn(w, torch.eye(320), 4, 128, damp=0.0)
+    torch.testing.assert_close(w_i, rtn, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_inputs_name_the_value() -> None:
+    w = torch.randn(8, 64)
+    with pytest.raises(InvalidConfigError, match=r"\(64, 64\)"):
+        gptq_higgs(w, torch.eye(32), 2, 256, 64, 64)
+    with pytest.raises(InvalidConfigError, match="non-finite"):
+        gptq_higgs(w, torch.full((64, 64), float("nan")), 2, 256, 64, 64)
+    with pytest.raises(InvalidConfigError, match="damp"):
+        gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, damp=-1.0)
+    with pytest.raises(InvalidConfigError, match="block=3"):
+        gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, block=3)
+    with pytest.raises(InvalidConfigError, match="positive definite"):
+        indefinite = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 32)
+        gptq_higgs(w, indefinite, 2, 256, 64, 64, damp=0.0)
