@@ -17,6 +17,8 @@ SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
     2: tuple(2**k for k in range(2, 13)),
 }
 FORMATS = ("native", "dequantized")
+# Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
+SCALE_RULES = ("rms", "mse", "unbiased", "mse-unbiased")
 
 
 def code_bits(p: int, n: int) -> float:
@@ -61,6 +63,8 @@ class HiggsConfig:
     # Seed of the optional random +-1 signs applied before the rotation; None = no signs
     # (the reference implementations use none).
     sign_seed: int | None = None
+    # How each scale group's scale is chosen (higgs_engine.quantize.SCALE_RULES).
+    scale_rule: str = "rms"
     # fnmatch patterns of module names to keep in 16 bits (on top of lm_head / embeddings).
     skip: tuple[str, ...] = ()
     formats: tuple[str, ...] = FORMATS
@@ -86,6 +90,12 @@ class HiggsConfig:
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
             raise InvalidConfigError(f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}")
+        if self.scale_rule not in SCALE_RULES:
+            raise InvalidConfigError(
+                f"scale_rule={self.scale_rule!r} must be one of {list(SCALE_RULES)}"
+            )
+        if self.sign_seed is not None and not 0 <= self.sign_seed < 2**63:
+            raise InvalidConfigError(f"sign_seed={self.sign_seed} must be in 0..2^63-1 or None")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise InvalidConfigError(f"dtype={self.dtype!r} must be float16, bfloat16 or float32")
         if self.version != CONFIG_VERSION:
@@ -154,6 +164,8 @@ class HiggsConfig:
         unknown = set(d) - known
         if unknown:
             raise InvalidConfigError(f"unknown config fields: {sorted(unknown)}")
+        # configs written before scale rules existed used the RMS scale
+        d.setdefault("scale_rule", "rms")
         d["skip"] = tuple(d.get("skip", ()))
         d["formats"] = tuple(d.get("formats", FORMATS))
         d["overrides"] = tuple(LayerOverride(**o) for o in d.get("overrides", ()))

@@ -69,6 +69,7 @@ def quantize_layer_full(
         rotation_block=config.rotation_block,
         sign_seed=config.sign_seed,
         device=device,
+        scale_rule=config.scale_rule,
     )
     assert w_hat is not None
     return q, w_hat, float(relative_error(w, w_hat))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from higgs_engine.config import SCALE_RULES as CONFIG_SCALE_RULES
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
@@ -46,6 +47,18 @@ FORMAT_VERSION = 1
 # tens of MB whatever the matrix size.
 CHUNK_ELEMENTS = 1 << 21
 FP16_MAX = 65504.0
+
+# How a scale group's scale s is chosen (z = y / s is coded against the N(0, 1) grid):
+# - "rms": s = RMS of the group (the paper's rule);
+# - "mse": s = m * RMS with the multiplier m in MSE_MULTIPLIERS (1 included) that minimises the
+#   group's actual reconstruction error ||y - s * grid[nearest(y / s)]||^2;
+# - "unbiased": codes from the RMS scale, then s rescaled so that the reconstruction's
+#   projection on y is y itself (<y, y_hat> = ||y||^2): the error is orthogonal to the weights.
+#   An MSE-optimal quantizer shrinks (y_hat = (1 - t^2) y + noise); this removes the shrinkage
+#   at the price of a slightly larger MSE.
+# - "mse-unbiased": the "mse" codes and scale, then rescaled as "unbiased".
+SCALE_RULES = CONFIG_SCALE_RULES
+MSE_MULTIPLIERS: tuple[float, ...] = tuple(round(0.80 + 0.025 * k, 3) for k in range(17))
 
 
 def _is_power_of_two(x: int) -> bool:
@@ -80,6 +93,9 @@ class QuantizedMatrix:
     sign_seed: int | None
     codes: torch.Tensor
     scales: torch.Tensor
+    # How the scales were chosen (see SCALE_RULES). Informational: dequantization only reads
+    # codes and scales, so a matrix loads bit-exactly whatever its rule.
+    scale_rule: str = "rms"
     _group_lens: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +143,7 @@ class QuantizedMatrix:
             "group_size": self.group_size,
             "layout": list(self.layout),
             "sign_seed": self.sign_seed,
+            "scale_rule": self.scale_rule,
         }
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
@@ -153,6 +170,8 @@ class QuantizedMatrix:
                 sign_seed=None if meta["sign_seed"] is None else int(meta["sign_seed"]),
                 codes=tensors["codes"],
                 scales=tensors["scales"],
+                # matrices written before scale rules existed used the RMS scale
+                scale_rule=str(meta.get("scale_rule", "rms")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(
@@ -255,6 +274,168 @@ def _scale_groups_(
     return y
 
 
+# ----------------------------------------------------------------------------- scales
+
+
+def _column_groups(group_lens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Scale-group index of every column of a row: (in,) int64."""
+    return torch.repeat_interleave(
+        torch.arange(len(group_lens), device=device),
+        torch.tensor(list(group_lens), device=device),
+    )
+
+
+def _codes_for(
+    y: torch.Tensor,
+    s16: torch.Tensor,
+    group_lens: Sequence[int],
+    group_size: int,
+    grid: torch.Tensor,
+    search: str,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Nearest grid tuples of y / s (rows, in) for fp16 scales s (rows, groups): (rows*in/p,).
+
+    Divides by the stored fp16 scale so dequantization sees exactly what was coded; an all-zero
+    group (s = 0) maps to z = 0 and dequantizes to 0. `inplace` lets y be overwritten."""
+    s = s16.to(torch.float32)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    z = _scale_groups_(y if inplace else y.clone(), inv, group_lens, group_size)
+    return nearest_points(z.reshape(-1, grid.shape[1]), grid, search)
+
+
+def _group_sums(x: torch.Tensor, col_group: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per-group sums of x (rows, in) -> (rows, groups), float64 (exact enough to compare)."""
+    out = torch.zeros(x.shape[0], groups, dtype=torch.float64, device=x.device)
+    return out.index_add_(1, col_group, x.to(torch.float64))
+
+
+def _recon(
+    codes: torch.Tensor,
+    s16: torch.Tensor,
+    grid: torch.Tensor,
+    group_lens: Sequence[int],
+    group_size: int,
+) -> torch.Tensor:
+    """s * grid[codes] as (rows, in) float32 for fp16 scales s (rows, groups)."""
+    rows = s16.shape[0]
+    yq = grid.index_select(0, codes).reshape(rows, -1)
+    return _scale_groups_(yq, s16.to(torch.float32), group_lens, group_size)
+
+
+def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
+    return s.clamp(max=FP16_MAX).to(torch.float16)
+
+
+def _fit_scales(
+    y: torch.Tensor,
+    rms: torch.Tensor,
+    group_lens: Sequence[int],
+    group_size: int,
+    grid: torch.Tensor,
+    search: str,
+    col_group: torch.Tensor,
+    rule: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scales (rows, groups) and codes (rows*in/p,) of rotated rows y under `rule`
+    ("mse" or "unbiased", see SCALE_RULES). y is left unchanged."""
+
+    def _unbias(
+        y: torch.Tensor, s16: torch.Tensor, codes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # s -> s * <y, y> / <y, s * g>: the reconstruction's projection on y is y
+        num = _group_sums(y * y, col_group, groups)
+        den = _group_sums(y * _recon(codes, s16, grid, group_lens, group_size), col_group, groups)
+        ratio = torch.where(den > 0, num / den.clamp(min=1e-300), torch.ones_like(num))
+        return _fp16_scale(s16.to(torch.float64) * ratio), codes
+
+    groups = len(group_lens)
+    if rule == "unbiased":
+        s16 = rms.to(torch.float16)
+        return _unbias(y, s16, _codes_for(y, s16, group_lens, group_size, grid, search))
+    s16, codes = _mse_scales(y, rms, group_lens, group_size, grid, search, col_group)
+    if rule == "mse-unbiased":
+        return _unbias(y, s16, codes)
+    return s16, codes
+
+
+def _mse_scales(
+    y: torch.Tensor,
+    rms: torch.Tensor,
+    group_lens: Sequence[int],
+    group_size: int,
+    grid: torch.Tensor,
+    search: str,
+    col_group: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multiplier of the RMS scale with the smallest actual group error; ties keep the
+    earlier candidate. Returns fp16 scales (rows, groups) and codes (rows*in/p,)."""
+    rows, width = y.shape
+    groups = len(group_lens)
+    p = grid.shape[1]
+    tuple_group = col_group[::p]  # (in/p,) group of each p-tuple
+    best_err = torch.full((rows, groups), math.inf, dtype=torch.float64, device=y.device)
+    best_s16 = torch.zeros(rows, groups, dtype=torch.float16, device=y.device)
+    best_codes = torch.zeros(rows, width // p, dtype=torch.int64, device=y.device)
+    for m in MSE_MULTIPLIERS:
+        s16 = _fp16_scale(rms * m)
+        codes = _codes_for(y, s16, group_lens, group_size, grid, search)
+        rec = _recon(codes, s16, grid, group_lens, group_size)
+        err = _group_sums((y - rec).square(), col_group, groups)
+        better = err < best_err  # (rows, groups)
+        best_err = torch.where(better, err, best_err)
+        best_s16 = torch.where(better, s16, best_s16)
+        take = better.index_select(1, tuple_group)  # (rows, in/p)
+        best_codes = torch.where(take, codes.view(rows, -1).to(torch.int64), best_codes)
+    return best_s16, best_codes.reshape(-1)
+
+
+def fit_scales_reference(
+    y: torch.Tensor, group_lens: Sequence[int], grid: torch.Tensor, rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow twin of the scale rules: one group of one row at a time, plain loops, the
+    nearest point by exhaustive search. y: rotated rows (rows, in) float32. Returns fp16
+    scales (rows, groups) and codes (rows, in/p) int64."""
+    if rule not in SCALE_RULES:
+        raise InvalidConfigError(f"scale_rule={rule!r} must be one of {list(SCALE_RULES)}")
+    rows = y.shape[0]
+    p = grid.shape[1]
+    scales = torch.zeros(rows, len(group_lens), dtype=torch.float16)
+    codes = torch.zeros(rows, y.shape[1] // p, dtype=torch.int64)
+
+    def code(seg: torch.Tensor, s16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = float(s16)
+        z = seg / s if s > 0 else torch.zeros_like(seg)
+        c = nearest_points_reference(z.reshape(-1, p), grid)
+        return c, grid[c].reshape(-1) * s
+
+    for r in range(rows):
+        start = 0
+        for k, length in enumerate(group_lens):
+            seg = y[r, start : start + length].float()
+            rms16 = seg.square().mean().sqrt().to(torch.float16)
+            best = code(seg, rms16)
+            s16 = rms16
+            if rule in ("mse", "mse-unbiased"):
+                best_err = math.inf
+                for m in MSE_MULTIPLIERS:
+                    cand = torch.tensor(float(seg.square().mean().sqrt()) * m)
+                    c16 = cand.clamp(max=FP16_MAX).to(torch.float16)
+                    got = code(seg, c16)
+                    err = float((seg.double() - got[1].double()).square().sum())
+                    if err < best_err:
+                        best_err, best, s16 = err, got, c16
+            if rule in ("unbiased", "mse-unbiased"):
+                num = float((seg.double() * seg.double()).sum())
+                den = float((seg.double() * best[1].double()).sum())
+                s16 = torch.tensor(float(s16) * (num / den if den > 0 else 1.0), dtype=torch.float64)
+                s16 = s16.clamp(max=FP16_MAX).to(torch.float16)
+            scales[r, k] = s16
+            codes[r, start // p : (start + length) // p] = best[0]
+            start += length
+    return scales, codes
+
+
 # ----------------------------------------------------------------------------- quantize
 
 
@@ -269,6 +450,7 @@ def quantize_matrix(
     *,
     device: torch.device | str | None = None,
     search: str = "auto",
+    scale_rule: str = "rms",
 ) -> QuantizedMatrix:
     """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research).
 
@@ -276,7 +458,7 @@ def quantize_matrix(
     W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`)."""
     q, _ = quantize_matrix_full(
         W, p, n, group_size, rotation_block, sign_seed, grid,
-        device=device, search=search, dequantized=False,
+        device=device, search=search, dequantized=False, scale_rule=scale_rule,
     )
     return q
 
@@ -293,11 +475,14 @@ def quantize_matrix_full(
     device: torch.device | str | None = None,
     search: str = "auto",
     dequantized: bool = True,
+    scale_rule: str = "rms",
 ) -> tuple[QuantizedMatrix, torch.Tensor | None]:
     """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
     codes while they are at hand (no pack / unpack round trip): the same values as
     `dequantize_matrix(q)`, which the tests check."""
     _check_inputs(W, p, n, group_size, rotation_block)
+    if scale_rule not in SCALE_RULES:
+        raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
     dev = torch.device("cpu") if device is None else torch.device(device)
     out_f, in_f = W.shape
     if grid is None:
@@ -318,6 +503,7 @@ def quantize_matrix_full(
     w_hat = torch.empty(out_f, in_f, dtype=torch.float32) if dequantized else None
     packed: list[torch.Tensor] = []
     step = _row_chunk(in_f)
+    col_group = _column_groups(lens, dev)
     for r0 in range(0, out_f, step):
         w = W[r0 : r0 + step].to(device=dev, dtype=torch.float32)  # (rows, in)
         y = rotate(w, layout, signs)  # (rows, in)
@@ -330,14 +516,13 @@ def quantize_matrix_full(
             raise InvalidConfigError(
                 f"a scale group RMS of {float(rms.max()):.4g} in rows {r0}.. exceeds the fp16 range"
             )
-        s16 = rms.to(torch.float16)
+        if scale_rule == "rms":
+            s16 = rms.to(torch.float16)
+            codes = _codes_for(y, s16, lens, group_size, grid, search, inplace=True)
+        else:
+            s16, codes = _fit_scales(y, rms, lens, group_size, grid, search, col_group, scale_rule)
         scales[r0 : r0 + step] = s16.cpu()
         s = s16.to(torch.float32)
-        # Divide by the stored fp16 scale so dequantization sees exactly what was coded;
-        # an all-zero group (s = 0) maps to z = 0 and dequantizes to 0.
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        z = _scale_groups_(y, inv, lens, group_size)  # (rows, in), y scaled in place
-        codes = nearest_points(z.reshape(-1, p), grid, search)  # (rows * in / p,)
         if w_hat is not None:
             yq = grid.index_select(0, codes).reshape(w.shape[0], in_f)  # (rows, in)
             yq = _scale_groups_(yq, s, lens, group_size)
@@ -353,6 +538,7 @@ def quantize_matrix_full(
         sign_seed=sign_seed,
         codes=torch.cat(packed) if len(packed) > 1 else packed[0],
         scales=scales,
+        scale_rule=scale_rule,
     )
     return q, w_hat
 
