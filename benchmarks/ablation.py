@@ -38,23 +38,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    environment,
+    fmt,
+    markdown_table,
+    write_results,
+)
+from devtools.quality import (  # noqa: E402
     ARTIFACT_DTYPE,
     MINILM_DIR,
     NEWS_FILE,
-    RESULTS_DIR,
     SMOLLM_DIR,
     CausalLMEval,
     EmbeddingEval,
     SimulatedModel,
     data_ready,
-    environment,
-    fmt,
     load_causal_lm,
     load_encoder,
-    markdown_table,
     news_sentences,
     rtn_fn,
-    write_results,
 )
 
 FISHER_PROFILE = RESULTS_DIR / "dynamic_profile_fisher.json"
