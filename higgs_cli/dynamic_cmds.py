@@ -352,7 +352,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> Any:
+def dynamic_quantize(
+    args: argparse.Namespace,
+    config: Any,
+    progress: Any,
+    *,
+    calibration: Any = None,
+    calibration_text: str | None = None,
+) -> Any:
     """Run `higgs quantize` with a dynamic target, or uniform HIGGS with --profile (the report
     then carries the predicted change); None when neither applies (the caller then runs plain
     uniform HIGGS)."""
@@ -374,6 +381,7 @@ def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> An
             token=args.token,
             overwrite=overwrite,
             device=getattr(args, "device", None),
+            calibration=calibration,
         )
         annotate_report(rep, prof)
         rep.save(Path(args.out) / "report.json")
@@ -390,6 +398,8 @@ def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> An
     else:
         pcfg = _profile_config(args, "profile-")
         text = _read_text(args, "profile-")
+        if text is None and calibration_text is not None:
+            text = calibration_text  # profile and calibration share the user's text
         prof = get_profile(
             args.source,
             pcfg,
@@ -417,4 +427,5 @@ def dynamic_quantize(args: argparse.Namespace, config: Any, progress: Any) -> An
         token=args.token,
         overwrite=overwrite,
         device=getattr(args, "device", None),
+        calibration=calibration,
     )

@@ -88,6 +88,22 @@ def register(subparsers: Any) -> None:
     q.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = q.add_argument_group("calibrated HIGGS (GPTQ with HIGGS grids)")
+    c.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE|self",
+        help="UTF-8 text whose activations guide the rounding (same artifact format and size), "
+        "or `self` for text the model generates itself (cached); with --avg-bits the profile "
+        "uses the same text unless --profile-text is given",
+    )
+    c.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="calibration tokens to use (default 8192; the text must have at least N)",
+    )
     dyn = _dynamic_hooks()
     if dyn is not None:
         dyn.add_quantize_args(q)  # --avg-bits / --max-ppl-increase / --profile ...
@@ -199,17 +215,61 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return HiggsConfig.from_bits(4.0 if args.bits is None else args.bits, p=args.p, **kw)
 
 
+def _calibration_text(args: argparse.Namespace) -> str | None:
+    """The --calibration file's text (None for `self` or no calibration), checked before any
+    model is loaded: missing, empty, binary or too large files are one-line errors."""
+    if args.calibration_tokens is not None and args.calibration is None:
+        raise CliError("--calibration-tokens needs --calibration FILE or --calibration self")
+    if args.calibration_tokens is not None and args.calibration_tokens < 2:
+        raise CliError(f"--calibration-tokens {args.calibration_tokens} must be at least 2")
+    if args.calibration is None or args.calibration == "self":
+        return None
+    from higgs_engine.calibration import read_calibration_file
+
+    return read_calibration_file(Path(args.calibration))
+
+
+def _calibration(args: argparse.Namespace, text: str | None, progress: Any) -> Any:
+    if args.calibration is None:
+        return None
+    from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS, prepare_calibration
+
+    tokens = args.calibration_tokens or DEFAULT_CALIBRATION_TOKENS
+    try:
+        return prepare_calibration(
+            args.source,
+            text,
+            tokens,
+            label=f"file:{Path(args.calibration).name}" if text is not None else "self",
+            revision=args.revision,
+            token=args.token,
+            progress=progress,
+        )
+    except Exception as exc:
+        from higgs_engine.errors import InvalidConfigError
+
+        if isinstance(exc, InvalidConfigError):
+            raise CliError(f"--calibration {args.calibration}: {exc}") from None
+        raise
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)  # validate before importing torch
+    cal_text = _calibration_text(args)
     from higgs_engine.pipeline import quantize_checkpoint
 
     quiet_libraries()
     bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
+        calibration = _calibration(args, cal_text, bars)
         # A dynamic target (per-layer allocation) is handled by the dynamic hooks; they return
         # None when the command asks for plain uniform HIGGS.
-        rep = dyn.dynamic_quantize(args, cfg, bars) if dyn is not None else None
+        rep = (
+            dyn.dynamic_quantize(args, cfg, bars, calibration=calibration, calibration_text=cal_text)
+            if dyn is not None
+            else None
+        )
         if rep is None:
             rep = quantize_checkpoint(
                 args.source,
@@ -220,6 +280,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 token=args.token,
                 overwrite=args.overwrite,
                 device=args.device,
+                calibration=calibration,
             )
     finally:
         bars.close()
@@ -241,6 +302,17 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         + (f"; {kept} kept in 16 bits" if kept else ""),
         f"bits per weight {rep.bits_per_weight:.4f} (linear layers, scales and grids included), "
         f"{rep.bits_per_param_total:.3f} over all parameters",
+        *(
+            [
+                "calibrated on {tokens} tokens of {source} (sha256 {sha})".format(
+                    tokens=rep.metrics["calibration"]["tokens"],
+                    source=rep.metrics["calibration"]["source"],
+                    sha=str(rep.metrics["calibration"]["sha256"])[:12],
+                )
+            ]
+            if rep.metrics.get("calibration")
+            else []
+        ),
         f"size {rep.bytes_before / 1e6:.2f} MB -> {rep.bytes_after / 1e6:.2f} MB, "
         f"in {rep.timings.get('total', 0.0):.1f} s",
         f"wrote {', '.join(str(Path(args.out) / f) for f in rep.formats)} and "

@@ -45,7 +45,10 @@ __all__ = [
     "Calibration",
     "calibration_from_text",
     "check_calibration_text",
+    "prepare_calibration",
+    "read_calibration_file",
     "run_calibrated",
+    "self_calibration",
 ]
 
 DEFAULT_CALIBRATION_TOKENS = 8192
@@ -146,6 +149,83 @@ def calibration_from_text(
         sha256=text_sha256(text),
         source=source,
     )
+
+
+def default_selfgen_cache() -> Path:
+    """Where self-generated calibration text is cached (per model revision and settings)."""
+    return Path.home() / ".cache" / "higgs" / "selfgen"
+
+
+def self_calibration(
+    path: Path,
+    tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    context: int = DEFAULT_CONTEXT,
+    *,
+    revision: str | None = None,
+    cache_dir: Path | None = None,
+    progress: ProgressCallback | None = None,
+) -> Calibration:
+    """Calibration on text the model writes itself (higgs_engine.selfgen, seeded, cached per
+    model revision): ceil(tokens / context) sampled sequences of `context` tokens. Generation
+    loads the model once in float32 (the calibration pass itself never does)."""
+    import torch
+
+    from higgs_engine.dynamic import load_float_model, source_fingerprint
+    from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens, selfgen_id
+
+    if not isinstance(tokens, int) or tokens < 2:
+        raise InvalidConfigError(f"calibration tokens={tokens!r} must be an integer >= 2")
+    ctx = min(context, tokens)
+    cfg = SelfGenConfig(count=max(1, tokens // ctx), length=ctx)
+    rev = revision or source_fingerprint(Path(path))
+    model, tok = load_float_model(Path(path))
+    try:
+        toks = cached_self_tokens(
+            model, tok, rev, cache_dir or default_selfgen_cache(), cfg, progress=progress
+        )
+    finally:
+        del model
+    windows = toks.to(torch.long).contiguous()
+    digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
+    return Calibration(windows=windows, sha256=digest, source=selfgen_id(rev, cfg))
+
+
+def prepare_calibration(
+    source: str | Path,
+    text: str | None,
+    tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    context: int = DEFAULT_CONTEXT,
+    *,
+    label: str = "file",
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: Path | None = None,
+    progress: ProgressCallback | None = None,
+) -> Calibration:
+    """The Calibration for quantizing `source`: `text` tokenized with the source's own
+    tokenizer, or (text None) self-generated text. Errors name what is wrong before any
+    quantization starts."""
+    from higgs_engine.checkpoint import resolve_source
+
+    src = resolve_source(source, revision, token)
+    if text is None:
+        return self_calibration(
+            src.path, tokens, context, revision=src.revision, cache_dir=cache_dir, progress=progress
+        )
+    tok = load_tokenizer(src.path)
+    return calibration_from_text(text, tok, tokens, context, source=label)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer; InvalidConfigError when it has none (text cannot be used)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise InvalidConfigError(
+            f"the checkpoint in {str(path)!r} has no usable tokenizer to read calibration text: {exc}"
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------

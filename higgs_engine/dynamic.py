@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from higgs_engine.calibration import Calibration
+
 DEFAULT_PROFILE = ProfileConfig()
 DEFAULT_CONFIG = HiggsConfig()
 KL_TO_PPL = "ppl_increase = exp(KL) - 1 (perplexity ratio ~= exp of the KL from the base model)"
@@ -413,8 +415,10 @@ def quantize_with_allocation(
     token: str | None = None,
     overwrite: bool = False,
     device: str | None = None,
+    calibration: Calibration | None = None,
 ) -> Report:
-    """quantize_checkpoint with the plan's overrides; report.json gets alphas and predictions."""
+    """quantize_checkpoint with the plan's overrides; report.json gets alphas and predictions.
+    With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid)."""
     from higgs_engine.pipeline import quantize_checkpoint
 
     cfg = config_with_allocation(base, plan.allocation)
@@ -427,6 +431,7 @@ def quantize_with_allocation(
         token=token,
         overwrite=overwrite,
         device=device,
+        calibration=calibration,
     )
     annotate_report(rep, profile, plan.allocation)
     rep.metrics["target"] = plan.target.to_dict() if plan.target else None
