@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.artifacts.routes import router as artifacts_router
@@ -177,6 +178,64 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: Any, path: str) -> list[str]:
+    """Every method some route answers on `path` (HEAD wherever GET is, OPTIONS with any),
+    found by asking the app's routes to match each method."""
+    routes = getattr(app, "routes", None) or []
+    methods = set()
+    for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+        probe = {"type": "http", "method": method, "path": path, "root_path": ""}
+        if any(route.matches(probe)[0] == Match.FULL for route in routes):
+            methods.add(method)
+    if "GET" in methods:
+        methods.add("HEAD")
+    if methods:
+        methods.add("OPTIONS")
+    return [m for m in _METHODS if m in methods]
+
+
+class HeadOptionsMiddleware:
+    """HEAD is answered like GET without the body, on every GET route; OPTIONS answers 204
+    with Allow listing every method of the path (404 problem+json routing applies otherwise)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        allowed = allowed_methods(scope.get("app"), scope["path"])
+        if scope["method"] == "OPTIONS" and allowed:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": [(b"allow", ", ".join(allowed).encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if scope["method"] != "HEAD" or "GET" not in allowed:
+            await self.app(scope, receive, send)
+            return
+        finished = False
+
+        async def headers_only(message: Message) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.body":
+                if finished:
+                    return
+                finished = True
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET", "higgs.head": True}, receive, headers_only)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     outage = OutageLog(log)
 
@@ -211,6 +270,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         resp = problem_response(err, request.url.path)
         for k, v in (exc.headers or {}).items():
             resp.headers[k] = v
+        if exc.status_code == 405:
+            resp.headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
         return resp
 
     @app.exception_handler(Exception)
@@ -263,5 +324,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ops_router)
     # Outermost last: latency sees everything, the body limit runs before routing.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HeadOptionsMiddleware)
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

@@ -16,7 +16,8 @@ from starlette.types import Receive, Scope, Send
 from app.errors import RangeNotSatisfiableError
 
 CHUNK = 256 * 1024
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+# The unit is case-insensitive (RFC 9110 section 14.1).
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$", re.IGNORECASE)
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -50,6 +51,28 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
+def _opaque(tag: str) -> str:
+    tag = tag.strip()
+    return tag[2:] if tag[:2] in ("W/", "w/") else tag
+
+
+def none_match(header: str | None, etag: str) -> bool:
+    """If-None-Match matches: `*`, or any listed tag equal to etag by the weak comparison
+    (RFC 9110 section 13.1.2: W/ prefixes ignored)."""
+    if header is None:
+        return False
+    tags = [t for t in header.split(",") if t.strip()]
+    return any(t.strip() == "*" or _opaque(t) == _opaque(etag) for t in tags)
+
+
+def if_range_matches(header: str | None, etag: str) -> bool:
+    """If-Range allows the partial answer: absent, or a strong tag equal to etag (a weak tag
+    or a date never matches: the whole representation is sent)."""
+    if header is None:
+        return True
+    return header.strip() == etag
+
+
 def digest_headers(sha256_hex: str) -> dict[str, str]:
     b64 = base64.b64encode(bytes.fromhex(sha256_hex)).decode()
     return {
@@ -57,6 +80,11 @@ def digest_headers(sha256_hex: str) -> dict[str, str]:
         "Repr-Digest": f"sha-256=:{b64}:",
         "X-Checksum-Sha256": sha256_hex,
     }
+
+
+def is_head(scope: Scope) -> bool:
+    """A HEAD request (app.main.HeadOptionsMiddleware routes HEAD as GET and marks it)."""
+    return scope.get("method") == "HEAD" or bool(scope.get("higgs.head"))
 
 
 class FileSliceResponse(Response):
@@ -84,7 +112,7 @@ class FileSliceResponse(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        if scope.get("method") == "HEAD" or self.end <= self.start:
+        if is_head(scope) or self.end <= self.start:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         remaining = self.end - self.start

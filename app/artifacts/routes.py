@@ -5,7 +5,7 @@ from __future__ import annotations
 import mimetypes
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
@@ -14,6 +14,9 @@ from app.artifacts.download import (
     FileSliceResponse,
     TarMember,
     digest_headers,
+    if_range_matches,
+    is_head,
+    none_match,
     parse_range,
     tar_size,
     tar_stream,
@@ -41,7 +44,6 @@ def list_artifact(
     responses={**ERRORS, 206: {"description": "partial content"}, 416: PROBLEM},
     summary="One file, streamed; Range (206), ETag and sha256 digest headers",
 )
-@router.head("/{format}/files/{path:path}", include_in_schema=False)
 def download_file(
     job_id: str,
     format: Format,
@@ -57,11 +59,11 @@ def download_file(
     row, full = service.resolve_file(art, path)
     headers = {**digest_headers(row.sha256), "Accept-Ranges": "bytes"}
     etag = headers["ETag"]
-    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
+    if none_match(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     size = row.bytes
     # If-Range with another validator: the client's partial copy is stale, send it all.
-    rng = parse_range(range_, size) if if_range is None or if_range.strip() == etag else None
+    rng = parse_range(range_, size) if if_range_matches(if_range, etag) else None
     media = mimetypes.guess_type(row.path)[0] or "application/octet-stream"
     if rng is None:
         return FileSliceResponse(full, 0, size, status_code=200, headers=headers, media_type=media)
@@ -76,8 +78,13 @@ def download_file(
     summary="The whole artifact as one streamed tar",
 )
 def download_archive(
-    job_id: str, format: Format, sessions: SessionsDep, key: CurrentKey
-) -> StreamingResponse:
+    job_id: str,
+    format: Format,
+    request: Request,
+    sessions: SessionsDep,
+    key: CurrentKey,
+    if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+) -> Response:
     with sessions() as session:  # closed before the archive is sent
         art = service.get_artifact(session, key, job_id, format)
     members = []
@@ -85,12 +92,17 @@ def download_archive(
         row, full = service.resolve_file(art, f.path)
         members.append(TarMember(name=f"{art.format}/{row.path}", path=full, size=row.bytes))
     mtime = art.created_at.timestamp()
+    etag = f'"{art.sha256}"'
+    headers = {
+        "Content-Length": str(tar_size(members, mtime)),
+        "Content-Disposition": f'attachment; filename="{job_id}-{art.format}.tar"',
+        "ETag": etag,
+    }
+    if none_match(if_none_match, etag):
+        del headers["Content-Length"]
+        return Response(status_code=304, headers=headers)
+    if is_head(request.scope):  # headers only: the archive is not built
+        return Response(status_code=200, headers=headers, media_type="application/x-tar")
     return StreamingResponse(
-        tar_stream(members, mtime),
-        media_type="application/x-tar",
-        headers={
-            "Content-Length": str(tar_size(members, mtime)),
-            "Content-Disposition": f'attachment; filename="{job_id}-{art.format}.tar"',
-            "ETag": f'"{art.sha256}"',
-        },
+        tar_stream(members, mtime), media_type="application/x-tar", headers=headers
     )

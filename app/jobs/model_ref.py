@@ -9,8 +9,9 @@ from pathlib import Path
 
 # The character rules of huggingface_hub's validate_repo_id.
 _PART = r"[A-Za-z0-9_.\-]{1,96}"
-_HUB_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")
-_REVISION = re.compile(r"^[A-Za-z0-9_.\-/]{1,255}$")
+# Used with fullmatch: `$` would also match before a final newline.
+_HUB_ID = re.compile(rf"(?:{_PART}/)?{_PART}")
+_REVISION = re.compile(r"[A-Za-z0-9_.\-/]{1,255}")
 
 
 class ModelRefError(ValueError):
@@ -38,7 +39,7 @@ def _check_name(model_id: str) -> None:
         )
     if ".." in model_id or "--" in model_id:
         raise ModelRefError("model.id", f"model.id {model_id!r} must not contain '..' or '--'")
-    if not _HUB_ID.match(model_id) or any(
+    if not _HUB_ID.fullmatch(model_id) or any(
         part[0] in "-." or part[-1] in "-." or part.endswith(".git") for part in model_id.split("/")
     ):
         raise ModelRefError(
@@ -52,7 +53,7 @@ def resolve_model(model_id: str, revision: str | None, models_dir: Path | None) 
     """Check a reference and say where it lives. Local names (no '/') are looked up in
     models_dir when it is set; otherwise a bare name is a legacy Hub id (e.g. "gpt2")."""
     _check_name(model_id)
-    if revision is not None and (not _REVISION.match(revision) or ".." in revision):
+    if revision is not None and (not _REVISION.fullmatch(revision) or ".." in revision):
         raise ModelRefError(
             "model.revision",
             f"model.revision {revision!r} must be a branch, tag or commit sha "
@@ -61,15 +62,11 @@ def resolve_model(model_id: str, revision: str | None, models_dir: Path | None) 
     if "/" not in model_id and models_dir is not None:
         path = models_dir / model_id
         if not path.is_dir():
-            available = (
-                sorted(p.name for p in models_dir.iterdir() if p.is_dir())
-                if models_dir.is_dir()
-                else []
-            )
+            # Neither the server's folder nor the other models it serves are anyone's business.
             raise ModelRefError(
                 "model.id",
-                f"model.id {model_id!r} is not a model directory in HIGGS_MODELS_DIR ({models_dir}); "
-                f"available: {', '.join(available) or 'none'}",
+                f"model.id {model_id!r} is not a model this service serves locally (a Hub "
+                "model is named 'owner/name')",
             )
         if revision is not None:
             raise ModelRefError(

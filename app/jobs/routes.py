@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 
+from app.artifacts.download import is_head
 from app.db.models import TERMINAL, Job
 from app.deps import CurrentKey, SessionsDep, SettingsDep
 from app.errors import PROBLEM_JSON, UnauthorizedError
@@ -164,9 +165,11 @@ def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
 )
 def job_events(
     job_id: str, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
-) -> StreamingResponse:
+) -> Response:
     with sessions() as session:
         service.get_job(session, key, job_id)  # 404 before the stream starts
+    if is_head(request.scope):
+        return Response(status_code=200, media_type="text/event-stream")
     key_id = key.id
     token: str = request.state.api_token
     keys: KeyCache = request.app.state.key_cache

@@ -3,40 +3,102 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 Format = Literal["native", "dequantized"]
 _ALL_FORMATS: tuple[Format, ...] = ("native", "dequantized")
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+# Seeds are stored in JSON and given to torch generators: a signed 64-bit range, non-negative.
+MAX_SEED = 2**63 - 1
+TARGET_KINDS = ("bits", "avg_bits", "max_ppl_increase")
+# A grid dimension: a strict integer (the services check it is 1 or 2 and say so).
+GridDim = Annotated[int, WithJsonSchema({"type": "integer", "enum": [1, 2]})]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and types are strict: `true` is not a number, `"yes"` not
+    a boolean, `4.0` not an integer (a JSON integer is a valid number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _exactly_one_target_schema(schema: dict[str, Any]) -> None:
+    """The OpenAPI form of Target's rule: exactly one of its three numbers, never null."""
+    props = schema.get("properties", {})
+    for name in TARGET_KINDS:
+        prop = props.get(name, {})
+        variants = [v for v in prop.pop("anyOf", []) if v.get("type") != "null"]
+        if variants:
+            prop.update(variants[0])
+        prop.pop("default", None)
+    schema["oneOf"] = [{"required": [name]} for name in TARGET_KINDS]
+    schema["minProperties"] = 1
+    schema["maxProperties"] = 1
+
+
+# The OpenAPI patterns of model ids and revisions (app.jobs.model_ref checks the full rules).
+MODEL_ID_PATTERN = r"^([A-Za-z0-9_.\-]{1,96}/)?[A-Za-z0-9_.\-]{1,96}$"
+REVISION_PATTERN = r"^[A-Za-z0-9_.\-/]{1,255}$"
 
 
 class ModelRef(Strict):
-    id: str = Field(min_length=1, max_length=512, examples=["HuggingFaceTB/SmolLM2-135M"])
-    revision: str | None = Field(default=None, min_length=1, max_length=255, examples=["main"])
+    id: str = Field(
+        min_length=1,
+        max_length=193,
+        examples=["HuggingFaceTB/SmolLM2-135M"],
+        json_schema_extra={"pattern": MODEL_ID_PATTERN},
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        examples=["main"],
+        json_schema_extra={"pattern": REVISION_PATTERN},
+    )
 
 
 class Target(Strict):
-    """Exactly one of the three."""
+    """Exactly one of the three (the others omitted, not null)."""
 
-    bits: float | None = Field(default=None, description="uniform HIGGS, code bits per weight")
+    model_config = ConfigDict(json_schema_extra=_exactly_one_target_schema)
+
+    bits: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="uniform HIGGS, code bits per weight"
+    )
     avg_bits: float | None = Field(
-        default=None, description="dynamic HIGGS: average bits, all overheads included"
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="dynamic HIGGS: average bits, all overheads included",
     )
     max_ppl_increase: float | None = Field(
-        default=None, description="dynamic HIGGS: 0.05 = +5% perplexity"
+        default=None, gt=0, allow_inf_nan=False, description="dynamic HIGGS: 0.05 = +5% perplexity"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = [k for k in TARGET_KINDS if k in data and data[k] is None]
+            if nulls:
+                raise ValueError(
+                    f"target.{nulls[0]} is null; give exactly one of bits, avg_bits, "
+                    "max_ppl_increase and omit the others"
+                )
+        return data
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
-        given = [
-            k for k in ("bits", "avg_bits", "max_ppl_increase") if getattr(self, k) is not None
-        ]
+        given = [k for k in TARGET_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
                 "target must have exactly one of bits, avg_bits, max_ppl_increase"
@@ -57,20 +119,43 @@ class Target(Strict):
 
 
 class Options(Strict):
-    p: int | None = Field(
+    p: GridDim | None = Field(
         default=None, description="grid dimension (1 or 2); default: chosen from bits"
     )
-    n: int | None = Field(default=None, description="grid size; default: chosen from bits")
-    group_size: int = 256
-    rotation_block: int = 1024
-    formats: list[Format] = Field(default_factory=lambda: list(_ALL_FORMATS), min_length=1)
+    n: int | None = Field(
+        default=None,
+        ge=2,
+        le=4096,
+        description="grid size (p=1: 2..256, p=2: 4..4096, powers of two); default: chosen "
+        "from bits",
+    )
+    group_size: int = Field(
+        default=256, ge=1, le=4096, description="weights per scale; a multiple of p"
+    )
+    rotation_block: int = Field(
+        default=1024, ge=64, le=4096, description="Hadamard block: a power of two in 64..4096"
+    )
+    formats: list[Format] = Field(
+        default_factory=lambda: list(_ALL_FORMATS),
+        min_length=1,
+        max_length=len(_ALL_FORMATS),
+        json_schema_extra={"uniqueItems": True},
+    )
     evaluate: bool = False
     skip: list[str] = Field(
         default_factory=list, description="fnmatch patterns of layers kept in 16 bits"
     )
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    sign_seed: int | None = None
-    seed: int = 0
+    sign_seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+
+    @field_validator("formats")
+    @classmethod
+    def _unique_formats(cls, v: list[Format]) -> list[Format]:
+        dupes = sorted({f for f in v if v.count(f) > 1})
+        if dupes:
+            raise ValueError(f"formats must not repeat a format (got {', '.join(dupes)} twice)")
+        return v
 
 
 class JobCreate(Strict):

@@ -57,7 +57,8 @@ class JobSpec:
     model_id: str
 
 
-def _config_error_field(message: str, target_kind: str) -> str:
+def config_error_field(message: str, target_kind: str) -> str:
+    """The request field an engine InvalidConfigError message is about."""
     m = _CONFIG_FIELD.match(message)
     name = m.group(1) if m else ""
     if name == "bits":
@@ -87,20 +88,11 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
     target = req.target
     kind, value = target.kind, target.value
     opts = req.options
-    if kind in _DYNAMIC:
-        if not settings.dynamic_targets:
-            raise NotSupportedError.field(
-                f"target.{kind}",
-                f"target.{kind} is not supported yet: dynamic HIGGS targets are switched off on "
-                "this service (HIGGS_DYNAMIC_TARGETS=false); use target.bits",
-            )
-        check_dynamic_target(
-            kind,
-            value,
-            group_size=opts.group_size,
-            p=opts.p,
-            n=opts.n,
-            ppl_limit=settings.max_ppl_increase_limit,
+    if kind in _DYNAMIC and not settings.dynamic_targets:
+        raise NotSupportedError.field(
+            f"target.{kind}",
+            f"target.{kind} is not supported yet: dynamic HIGGS targets are switched off on "
+            "this service (HIGGS_DYNAMIC_TARGETS=false); use target.bits",
         )
     common: dict[str, Any] = {
         "group_size": opts.group_size,
@@ -134,7 +126,16 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
             }
             cfg = HiggsConfig(**grid, **common)
     except InvalidConfigError as e:
-        raise ValidationFailedError.field(_config_error_field(str(e), kind), str(e)) from e
+        raise ValidationFailedError.field(config_error_field(str(e), kind), str(e)) from e
+    if kind in _DYNAMIC:
+        check_dynamic_target(
+            kind,
+            value,
+            group_size=opts.group_size,
+            p=opts.p,
+            n=opts.n,
+            ppl_limit=settings.max_ppl_increase_limit,
+        )
     if cfg.version != CONFIG_VERSION:  # pragma: no cover - the engine checks this itself
         raise ValidationFailedError.field("options", f"engine config version {cfg.version}")
 

@@ -60,6 +60,14 @@ def check_dynamic_target(
         )
     if kind == "avg_bits":
         lo = avg_bits_floor(group_size, p)
+        if lo > AVG_BITS_CEILING:
+            raise ValidationFailedError.field(
+                "options.group_size",
+                f"options.group_size={group_size} leaves no feasible {field}: one fp16 scale "
+                f"per {group_size} weights plus the cheapest grid is {lo:.4g} bits per weight, "
+                f"above {AVG_BITS_CEILING:g} (every layer kept in 16 bits); use a larger "
+                "group_size",
+            )
         if not lo <= value <= AVG_BITS_CEILING:
             raise ValidationFailedError.field(
                 field,

@@ -11,19 +11,27 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.model_ref import ModelRefError, resolve_model
-from app.jobs.schemas import ModelRef, Strict, Target
+from app.jobs.schemas import GridDim, ModelRef, Strict, Target
+from app.jobs.service import config_error_field
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
 from app.settings import Settings
-from higgs_engine.config import SUPPORTED_GRIDS
+from higgs_engine.config import SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.errors import InvalidConfigError
 
 
 class PlanOptions(Strict):
     """The parts of a job's options that change sizes (and so the plan)."""
 
-    p: int | None = Field(default=None, description="restrict the menu to grids of this p")
-    group_size: int = 256
-    rotation_block: int = 1024
+    p: GridDim | None = Field(
+        default=None, description="restrict the menu to grids of this p"
+    )
+    group_size: int = Field(
+        default=256, ge=1, le=4096, description="weights per scale; a multiple of p"
+    )
+    rotation_block: int = Field(
+        default=1024, ge=64, le=4096, description="Hadamard block: a power of two in 64..4096"
+    )
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
 
 
@@ -56,11 +64,17 @@ def _check(req: PlanCreate, settings: Settings) -> None:
             "options.p",
             f"options.p={opts.p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}",
         )
-    for name, v in (("group_size", opts.group_size), ("rotation_block", opts.rotation_block)):
-        if v < 2 or v & (v - 1):
-            raise ValidationFailedError.field(
-                f"options.{name}", f"options.{name}={v} must be a power of two >= 2"
-            )
+    # The same rules as a job's options (HiggsConfig), so a plan and a job refuse alike.
+    try:
+        HiggsConfig(
+            p=opts.p if opts.p is not None else 2,
+            group_size=opts.group_size,
+            rotation_block=opts.rotation_block,
+            dtype=opts.dtype,
+        )
+    except InvalidConfigError as e:
+        kind = req.target.kind if req.target is not None else "avg_bits"
+        raise ValidationFailedError.field(config_error_field(str(e), kind), str(e)) from e
     t = req.target
     if t is None:
         return

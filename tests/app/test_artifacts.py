@@ -252,3 +252,72 @@ def test_tar_size_matches_stream_for_long_names(tmp_path: Path) -> None:
     assert len(blob) == tar_size(members, 0)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         assert tar.getnames() == [f"native/{long}"]
+
+
+def test_conditional_requests_star_and_weak_validators(
+    client: TestClient, auth: dict[str, str], done_job: Any
+) -> None:
+    jid, files, _ = done_job
+    path = url(jid, "/files/model.safetensors")
+    etag = client.get(path, headers=auth).headers["etag"]
+    for header in ("*", f"W/{etag}", f'"nope", {etag}', f'"x", W/{etag}'):
+        r = client.get(path, headers={**auth, "If-None-Match": header})
+        assert r.status_code == 304 and r.content == b"", (header, r.status_code)
+        assert r.headers["etag"] == etag
+    r = client.get(path, headers={**auth, "If-None-Match": '"other"'})
+    assert r.status_code == 200 and r.content == files["model.safetensors"]
+    # If-Range needs a strong match: a weak tag means "send it all".
+    r = client.get(path, headers={**auth, "Range": "bytes=0-9", "If-Range": f"W/{etag}"})
+    assert r.status_code == 200 and len(r.content) == len(files["model.safetensors"])
+    arch = url(jid, "/archive")
+    arch_etag = client.get(arch, headers=auth).headers["etag"]
+    assert client.get(arch, headers={**auth, "If-None-Match": "*"}).status_code == 304
+    assert client.get(arch, headers={**auth, "If-None-Match": f"W/{arch_etag}"}).status_code == 304
+
+
+@pytest.mark.parametrize("unit", ["BYTES", "Bytes", "bytes"])
+def test_range_unit_is_case_insensitive(
+    client: TestClient, auth: dict[str, str], done_job: Any, unit: str
+) -> None:
+    jid, files, _ = done_job
+    r = client.get(url(jid, "/files/model.safetensors"), headers={**auth, "Range": f"{unit}=10-19"})
+    assert r.status_code == 206, r.text
+    assert r.content == files["model.safetensors"][10:20]
+
+
+def test_head_on_every_get_endpoint(client: TestClient, auth: dict[str, str], done_job: Any) -> None:
+    jid, files, _ = done_job
+    for path in (
+        url(jid, "/archive"),
+        url(jid, "/files/model.safetensors"),
+        url(jid),
+        f"/v1/jobs/{jid}",
+        "/v1/jobs",
+        f"/v1/jobs/{jid}/report",
+        f"/v1/jobs/{jid}/events",
+        "/healthz",
+    ):
+        get = client.get(path, headers=auth)
+        head = client.head(path, headers=auth)
+        assert head.status_code == 200, (path, head.status_code, head.text)
+        assert head.content == b""
+        assert head.headers["content-type"] == get.headers["content-type"], path
+        if "content-length" in get.headers and path != f"/v1/jobs/{jid}/events":
+            assert head.headers["content-length"] == get.headers["content-length"], path
+    assert client.head(url(jid, "/archive")).status_code == 401
+    assert client.head(f"/v1/jobs/{jid}-nope", headers=auth).status_code == 404
+
+
+def test_options_and_405_list_get_with_head(
+    client: TestClient, auth: dict[str, str], done_job: Any
+) -> None:
+    jid, _, _ = done_job
+    r = client.options(url(jid, "/files/model.safetensors"))
+    assert r.status_code == 204
+    assert [m.strip() for m in r.headers["allow"].split(",")] == ["GET", "HEAD", "OPTIONS"]
+    r = client.options("/v1/jobs")
+    assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "HEAD", "POST", "OPTIONS"}
+    r = client.put(url(jid, "/archive"), headers=auth)
+    assert_problem(r, 405)
+    assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "HEAD", "OPTIONS"}
+    assert_problem(client.options("/no/such/route"), 404)

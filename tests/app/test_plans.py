@@ -201,3 +201,34 @@ def test_compute_plan_directly_and_the_up_front_floor() -> None:
         [Option(1, 2), Option(KEEP_16, 0)],
     )
     assert avg_bits_floor(256, 1) <= prob.min_avg_bits()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"rotation_block": 32}, "options.rotation_block"),
+        ({"rotation_block": 8192}, "options.rotation_block"),
+        ({"rotation_block": 96}, "options.rotation_block"),
+        ({"group_size": 8192}, "options.group_size"),
+        ({"group_size": 3}, "options.group_size"),
+        ({"p": 3}, "options.p"),
+        ({"group_size": "256"}, "options.group_size"),
+    ],
+)
+def test_plan_options_are_checked_like_a_jobs_once_a_profile_exists(
+    client: TestClient,
+    auth: dict[str, str],
+    sessions: sessionmaker[Session],
+    options: dict[str, Any],
+    field: str,
+) -> None:
+    store(sessions, profile_dict())
+    r = plan(client, auth, target={"avg_bits": 3.0}, options=options)
+    assert_problem(r, 422, field)
+    # The same options on a job are refused on the same field.
+    job = client.post(
+        "/v1/jobs",
+        json={"model": {"id": "org/model"}, "target": {"bits": 4}, "options": options},
+        headers=auth,
+    )
+    assert_problem(job, 422, field)
