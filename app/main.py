@@ -43,6 +43,8 @@ from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.routes import router as ops_router
 from app.plans.routes import router as plans_router
 from app.settings import Settings, get_settings
+from app.ui import install as install_ui
+from app.webhooks.routes import router as webhooks_router
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +324,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(artifacts_router)
     app.include_router(plans_router)
     app.include_router(ops_router)
+    app.include_router(webhooks_router)
+    install_ui(app)
     # Outermost last: latency sees everything, the body limit runs before routing.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HeadOptionsMiddleware)

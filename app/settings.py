@@ -112,6 +112,26 @@ class Settings(BaseSettings):
     eval_context: int = Field(default=512, ge=2)
     eval_windows: int = Field(default=16, ge=1)
 
+    # Webhooks (app.webhooks): a job's terminal-state event is POSTed to its webhook_url.
+    # Loopback, link-local and private addresses are refused unless this is set.
+    webhook_allow_private: bool = False
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    # Retries back off from webhook_backoff_s, doubling up to webhook_backoff_max_s, and stop
+    # once an event is older than webhook_retry_window_s (or after webhook_max_attempts tries).
+    webhook_backoff_s: float = Field(default=5.0, gt=0)
+    webhook_backoff_max_s: float = Field(default=600.0, gt=0)
+    webhook_retry_window_s: float = Field(default=6 * 3600.0, gt=0)
+    webhook_max_attempts: int = Field(default=20, ge=1)
+    # How often the worker's dispatcher looks for events to make and deliveries that are due.
+    webhook_interval_s: float = Field(default=1.0, gt=0)
+    # Jobs that finished longer ago than this get no event made (a worker fleet down for that
+    # long does not flood receivers with stale events when it comes back).
+    webhook_event_horizon_s: float = Field(default=24 * 3600.0, gt=0)
+    # Signed links (downloads a plain <a href> can use): lifetime, and an optional server
+    # secret mixed into their key so that reading the database alone cannot mint one.
+    link_ttl_s: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
+    link_secret: str | None = None
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:

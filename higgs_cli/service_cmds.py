@@ -244,7 +244,9 @@ def keys_create(name: str, data_dir: str | None = None) -> str:
         except AppError as exc:
             raise CliError(exc.detail, 2) from exc
     print(f"created API key {row.name!r} (id {row.id}, prefix {row.prefix})")
-    print("store it now: it is shown only this once")
+    # Above the key: scripts take the key from the last line.
+    print(f"webhook signing secret: {row.webhook_secret} (also at GET /v1/webhooks/secret)")
+    print("store the key now: it is shown only this once")
     print(key, flush=True)
     return key
 

@@ -10,6 +10,8 @@
 - Queues "higgs" (every worker) and "higgs.gpu" (workers with a GPU consume it as well).
 - The sweep runs in a thread of each worker's main process every settings.sweep_interval_s
   (HIGGS_SWEEP_INTERVAL_S); `celery -A worker.celery_app call higgs.sweep` runs one by hand.
+- Webhook events are made and delivered by another thread of the main process
+  (worker/webhooks.py), outside every job.
 """
 
 from __future__ import annotations
@@ -162,12 +164,14 @@ def sweep_once(settings: Settings, requeue_stale: bool = True) -> dict[str, list
 
 app = make_celery(get_settings())
 _sweeper: Any = None
+_webhooks: Any = None
 
 
 @signals.worker_ready.connect
 def _start_sweep(sender: Any = None, **_: Any) -> None:
-    global _sweeper
+    global _sweeper, _webhooks
     from worker.sweep import SweepThread
+    from worker.webhooks import WebhookThread
 
     settings: Settings = app.conf.higgs_settings
     _sweeper = SweepThread(
@@ -176,6 +180,8 @@ def _start_sweep(sender: Any = None, **_: Any) -> None:
         outage_grace_s=settings.heartbeat_timeout_s,
     )
     _sweeper.start()
+    _webhooks = WebhookThread(sessions_for(settings), settings)
+    _webhooks.start()
     log.info(
         "higgs worker ready: broker %s, database %s, artifacts %s, sweep every %gs",
         settings.broker_url.split("@")[-1],
@@ -213,6 +219,8 @@ def _pool_process_init(**_: Any) -> None:
 def _stop_sweep(sender: Any = None, **_: Any) -> None:
     if _sweeper is not None:
         _sweeper.stop()
+    if _webhooks is not None:
+        _webhooks.stop()
 
 
 __all__ = ["TASK_NAME", "SWEEP_TASK", "app", "make_celery", "sessions_for", "detect_device"]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import mimetypes
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from app.artifacts import service
@@ -21,9 +24,12 @@ from app.artifacts.download import (
     tar_size,
     tar_stream,
 )
-from app.deps import CurrentKey, SessionsDep
+from app.deps import CurrentKey, SessionsDep, SettingsDep, current_key
 from app.jobs.routes import ERRORS, PROBLEM
 from app.jobs.schemas import ArtifactOut, Format
+from app.keys.service import AuthKey
+from app.limits import RateLimiter
+from app.links import check_token, make_token
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/artifacts", tags=["artifacts"])
 
@@ -72,17 +78,69 @@ def download_file(
     return FileSliceResponse(full, start, end, status_code=206, headers=headers, media_type=media)
 
 
+class LinkOut(BaseModel):
+    url: str
+    expires_at: int
+
+
+@router.post(
+    "/{format}/link",
+    response_model=LinkOut,
+    responses=ERRORS,
+    summary="A short-lived signed URL of the archive, usable without an Authorization header",
+)
+def archive_link(
+    job_id: str, format: Format, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
+) -> LinkOut:
+    with sessions() as session:
+        service.get_artifact(session, key, job_id, format)  # 404 unless it exists now
+        token, expires = make_token(
+            session, key.id, job_id, format, settings.link_ttl_s, settings.link_secret
+        )
+    return LinkOut(
+        url=f"/v1/jobs/{job_id}/artifacts/{format}/archive?token={token}", expires_at=expires
+    )
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def _archive_key(
+    request: Request,
+    job_id: str,
+    format: Format,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    token: Annotated[
+        str | None, Query(description="a signed link token from POST .../{format}/link")
+    ] = None,
+) -> AuthKey:
+    """The API key (Authorization header, as everywhere) or a signed link's key (?token=)."""
+    if credentials is not None or token is None:
+        return await current_key(request, credentials)
+
+    def load() -> AuthKey:
+        with sessions() as session:
+            return AuthKey.of(check_token(session, token, job_id, format, settings.link_secret))
+
+    key = await run_in_threadpool(load)
+    limiter: RateLimiter = request.app.state.rate_limiter
+    limiter.check(key.id)
+    return key
+
+
 @router.get(
     "/{format}/archive",
     responses={**ERRORS, 200: {"content": {"application/x-tar": {}}}},
-    summary="The whole artifact as one streamed tar",
+    summary="The whole artifact as one streamed tar (API key, or ?token= of a signed link)",
 )
 def download_archive(
     job_id: str,
     format: Format,
     request: Request,
     sessions: SessionsDep,
-    key: CurrentKey,
+    key: Annotated[AuthKey, Depends(_archive_key)],
     if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
 ) -> Response:
     with sessions() as session:  # closed before the archive is sent
@@ -97,6 +155,9 @@ def download_archive(
         "Content-Length": str(tar_size(members, mtime)),
         "Content-Disposition": f'attachment; filename="{job_id}-{art.format}.tar"',
         "ETag": etag,
+        # The URL may carry a link token: keep it out of Referer headers and caches.
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "private, no-store",
     }
     if none_match(if_none_match, etag):
         del headers["Content-Length"]

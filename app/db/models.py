@@ -43,6 +43,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The HMAC-SHA256 key that signs this key's webhook events (app.webhooks). It must be
+    # readable to sign, so it is stored as is; keys made before webhooks get one when first asked.
+    webhook_secret: Mapped[str | None] = mapped_column(String(64), default=None)
 
 
 class Job(Base):
@@ -66,6 +69,8 @@ class Job(Base):
     model_id: Mapped[str] = mapped_column(String(512))
     # The resolved commit sha (Hub) recorded by the worker; the requested revision is in `request`.
     model_revision: Mapped[str | None] = mapped_column(String(255), default=None)
+    # Where the terminal-state event is POSTed (app.webhooks); None = no webhook.
+    webhook_url: Mapped[str | None] = mapped_column(Text, default=None)
 
     status: Mapped[str] = mapped_column(String(16), default=QUEUED, index=True)
     stage: Mapped[str | None] = mapped_column(String(32), default=None)
@@ -171,3 +176,32 @@ class Profile(Base):
     token_budget: Mapped[int] = mapped_column(Integer)
     data: Mapped[dict[str, Any]] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One webhook event of a job (its terminal state) and how delivering it went. The row is
+    made by the dispatcher once the job is terminal; `attempt_log` keeps every try."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("job_id", "event"),
+        Index("ix_webhook_deliveries_state_next", "state", "next_attempt_at"),
+    )
+
+    # Also the event id receivers see (Higgs-Event-Id), to drop duplicates.
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    event: Mapped[str] = mapped_column(String(32))  # "job.succeeded", "job.failed", ...
+    url: Mapped[str] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]] = mapped_column()
+    # pending (tries left) -> delivered | failed (gave up)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    # [{"at": iso, "status_code": int | None, "error": str | None, "duration_ms": float}]
+    attempt_log: Mapped[list[Any]] = mapped_column(default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -162,6 +162,13 @@ class JobCreate(Strict):
     model: ModelRef
     target: Target
     options: Options = Field(default_factory=Options)
+    webhook_url: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=2048,
+        description="http(s) URL POSTed a signed JSON event when the job reaches a terminal state",
+        examples=["https://example.com/hooks/higgs"],
+    )
 
 
 class Progress(BaseModel):
@@ -200,6 +207,7 @@ class JobOut(BaseModel):
     summary: dict[str, Any] | None
     stage_durations: dict[str, Any] | None
     artifacts: list[ArtifactRef]
+    webhook_url: str | None = None
 
 
 class JobPage(BaseModel):

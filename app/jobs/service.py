@@ -30,6 +30,7 @@ from app.jobs.schemas import JobCreate, JobOut
 from app.keys.service import AuthKey
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target
 from app.settings import Settings
+from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 from higgs_engine.errors import InvalidConfigError
 
@@ -55,6 +56,7 @@ class JobSpec:
     request_hash: str
     config: dict[str, Any]
     model_id: str
+    webhook_url: str | None = None
 
 
 def config_error_field(message: str, target_kind: str) -> str:
@@ -139,7 +141,18 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
     if cfg.version != CONFIG_VERSION:  # pragma: no cover - the engine checks this itself
         raise ValidationFailedError.field("options", f"engine config version {cfg.version}")
 
+    webhook_url = None
+    if req.webhook_url is not None:
+        try:
+            webhook_url = check_webhook_url(
+                req.webhook_url, allow_private=settings.webhook_allow_private
+            )
+        except WebhookUrlError as e:
+            raise ValidationFailedError.field("webhook_url", str(e)) from e
+
     request = req.model_dump(mode="json")
+    if request.get("webhook_url") is None:
+        request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
     return JobSpec(
         request=request,
@@ -151,6 +164,7 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
             "evaluate": opts.evaluate,
         },
         model_id=req.model.id,
+        webhook_url=webhook_url,
     )
 
 
@@ -217,6 +231,7 @@ def create_job(
         request=spec.request,
         config=spec.config,
         model_id=spec.model_id,
+        webhook_url=spec.webhook_url,
         created_at=now,
         updated_at=now,
     )
@@ -342,6 +357,7 @@ def job_view(job: Job) -> JobOut:
             else None,
             "summary": job.summary,
             "stage_durations": job.stage_durations,
+            "webhook_url": job.webhook_url,
             "artifacts": [
                 {
                     "format": a.format,

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db.base import utcnow
 from app.db.models import ApiKey
 from app.errors import NotFoundError, UnauthorizedError, ValidationFailedError
+from app.webhooks.signing import new_secret
 
 KEY_PREFIX = "higgs_"
 DISPLAY_CHARS = len(KEY_PREFIX) + 6
@@ -40,7 +41,11 @@ def create_key(session: Session, name: str) -> tuple[ApiKey, str]:
         raise ValidationFailedError.field("name", f"key name {name!r} must be 1..200 characters")
     key = generate_key()
     row = ApiKey(
-        id=str(uuid.uuid4()), name=name, prefix=key[:DISPLAY_CHARS], key_hash=hash_key(key)
+        id=str(uuid.uuid4()),
+        name=name,
+        prefix=key[:DISPLAY_CHARS],
+        key_hash=hash_key(key),
+        webhook_secret=new_secret(),
     )
     session.add(row)
     session.commit()

@@ -1,0 +1,1 @@
+"""Webhooks: a job's terminal state POSTed, signed, to the URL given at submit."""

@@ -1,0 +1,315 @@
+"""Webhook secrets, the deliveries of a job, and the dispatcher that makes and sends events.
+
+The dispatcher (`dispatch_once`) runs in a thread of each worker's main process
+(worker/webhooks.py), never inside a job: a receiver that is down or slow delays only other
+deliveries, never a job. It
+
+1. makes one event (a `webhook_deliveries` row) for every job that reached a terminal state,
+   has a webhook_url and has no event yet (the unique (job_id, event) constraint lets several
+   workers race safely);
+2. claims due deliveries with a compare-and-set on (attempts, next_attempt_at), POSTs them
+   signed (app.webhooks.signing) and records the outcome: 2xx = delivered; anything else is
+   retried with exponential backoff until the event is older than the retry window or the
+   attempts are used up, then failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db.base import utcnow
+from app.db.models import TERMINAL, ApiKey, Job, WebhookDelivery
+from app.errors import NotFoundError
+from app.settings import Settings
+from app.webhooks.signing import EVENT_ID_HEADER, SIGNATURE_HEADER, new_secret, sign
+from app.webhooks.urls import WebhookUrlError, check_webhook_url
+
+log = logging.getLogger("app.webhooks")
+
+PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+MAX_ERROR_CHARS = 500
+MAX_LOG_ENTRIES = 50
+USER_AGENT = "higgs-webhooks/1"
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def _key_row(session: Session, key_id: str) -> ApiKey:
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise NotFoundError(f"API key {key_id!r} does not exist")
+    return row
+
+
+def secret_of(session: Session, key_id: str) -> str:
+    """The key's webhook secret, made (and committed) on first use."""
+    row = _key_row(session, key_id)
+    if row.webhook_secret is None:
+        row.webhook_secret = new_secret()
+        session.commit()
+    return row.webhook_secret
+
+
+def rotate_secret(session: Session, key_id: str) -> str:
+    """A new secret for the key; deliveries from now on (retries included) are signed with it."""
+    row = _key_row(session, key_id)
+    row.webhook_secret = new_secret()
+    session.commit()
+    return row.webhook_secret
+
+
+# ---------------------------------------------------------------- views
+
+
+def delivery_view(d: WebhookDelivery) -> dict[str, Any]:
+    return {
+        "id": d.id,
+        "event": d.event,
+        "url": d.url,
+        "state": d.state,
+        "attempts": d.attempts,
+        "next_attempt_at": d.next_attempt_at if d.state == PENDING else None,
+        "last_status_code": d.last_status_code,
+        "last_error": d.last_error,
+        "created_at": d.created_at,
+        "delivered_at": d.delivered_at,
+        "attempt_log": list(d.attempt_log or []),
+        "payload": d.payload,
+    }
+
+
+def deliveries_of(session: Session, job_id: str) -> list[WebhookDelivery]:
+    return list(
+        session.scalars(
+            select(WebhookDelivery)
+            .where(WebhookDelivery.job_id == job_id)
+            .order_by(WebhookDelivery.created_at)
+        )
+    )
+
+
+# ---------------------------------------------------------------- events
+
+
+def event_payload(job: Job, event_id: str, now: datetime) -> dict[str, Any]:
+    return {
+        "id": event_id,
+        "type": f"job.{job.status}",
+        "created_at": now.isoformat(),
+        "job_id": job.id,
+        "status": job.status,
+        "model": {"id": job.model_id, "resolved_revision": job.model_revision},
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "summary": job.summary,
+        "error": {"code": job.error_code, "message": job.error_message or ""}
+        if job.error_code
+        else None,
+        "url": f"/v1/jobs/{job.id}",
+    }
+
+
+def make_events(session: Session, settings: Settings, now: datetime | None = None) -> list[str]:
+    """An event row for each terminal job with a webhook_url and no event yet; their ids."""
+    now = now or utcnow()
+    horizon = now - timedelta(seconds=settings.webhook_event_horizon_s)
+    has_event = select(WebhookDelivery.id).where(WebhookDelivery.job_id == Job.id).exists()
+    jobs = list(
+        session.scalars(
+            select(Job)
+            .where(
+                Job.webhook_url.is_not(None),
+                Job.status.in_(sorted(TERMINAL)),
+                Job.finished_at >= horizon,
+                ~has_event,
+            )
+            .order_by(Job.finished_at)
+            .limit(200)
+        )
+    )
+    made: list[str] = []
+    for job in jobs:
+        event_id = str(uuid.uuid4())
+        row = WebhookDelivery(
+            id=event_id,
+            job_id=job.id,
+            event=f"job.{job.status}",
+            url=str(job.webhook_url),
+            payload=event_payload(job, event_id, now),
+            state=PENDING,
+            attempts=0,
+            next_attempt_at=now,
+            attempt_log=[],
+            created_at=now,
+            updated_at=now,
+        )
+        session.add(row)
+        try:
+            session.commit()
+            made.append(event_id)
+        except IntegrityError:  # another dispatcher made it first
+            session.rollback()
+    session.rollback()
+    return made
+
+
+# ---------------------------------------------------------------- delivering
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: str
+    url: str
+    body: bytes
+    secret: str
+    attempt: int  # 1-based number of this try
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def backoff_s(settings: Settings, attempt: int) -> float:
+    """Seconds to wait after failed try number `attempt` (1-based): doubling, capped."""
+    return float(
+        min(settings.webhook_backoff_max_s, settings.webhook_backoff_s * 2 ** (attempt - 1))
+    )
+
+
+def claim_due(session: Session, settings: Settings, now: datetime, limit: int) -> list[Claimed]:
+    """Due pending deliveries, each claimed by bumping attempts and pushing next_attempt_at
+    past the send timeout (so another dispatcher does not send it meanwhile)."""
+    rows = session.execute(
+        select(WebhookDelivery, Job.api_key_id)
+        .join(Job, Job.id == WebhookDelivery.job_id)
+        .where(WebhookDelivery.state == PENDING, WebhookDelivery.next_attempt_at <= now)
+        .order_by(WebhookDelivery.next_attempt_at)
+        .limit(limit)
+    ).all()
+    session.rollback()
+    lease = now + timedelta(seconds=settings.webhook_timeout_s * 2 + 5)
+    out: list[Claimed] = []
+    for d, key_id in rows:
+        res = session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == d.id,
+                WebhookDelivery.state == PENDING,
+                WebhookDelivery.attempts == d.attempts,
+            )
+            .values(attempts=d.attempts + 1, next_attempt_at=lease, updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if getattr(res, "rowcount", 0) != 1:
+            session.rollback()
+            continue
+        secret = secret_of(session, key_id)  # commits the claim (and a first secret)
+        session.commit()
+        body = json.dumps(d.payload, separators=(",", ":"), sort_keys=True).encode()
+        out.append(Claimed(d.id, d.url, body, secret, d.attempts + 1, d.created_at))
+    return out
+
+
+def send(claimed: Claimed, settings: Settings) -> Outcome:
+    """One signed POST. Redirects are not followed; the URL is checked again first (its host
+    may resolve elsewhere now)."""
+    t0 = time.monotonic()
+    try:
+        check_webhook_url(claimed.url, allow_private=settings.webhook_allow_private)
+        r = httpx.post(
+            claimed.url,
+            content=claimed.body,
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": USER_AGENT,
+                SIGNATURE_HEADER: sign(claimed.secret, claimed.body),
+                EVENT_ID_HEADER: claimed.id,
+                "Higgs-Delivery-Attempt": str(claimed.attempt),
+            },
+            timeout=settings.webhook_timeout_s,
+            follow_redirects=False,
+        )
+        code: int | None = r.status_code
+        err = None if 200 <= r.status_code < 300 else f"HTTP {r.status_code}"
+    except WebhookUrlError as e:
+        code, err = None, str(e)
+    except httpx.HTTPError as e:
+        code, err = None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return Outcome(code, err[:MAX_ERROR_CHARS] if err else None, (time.monotonic() - t0) * 1e3)
+
+
+def record(
+    session: Session, settings: Settings, claimed: Claimed, outcome: Outcome, now: datetime
+) -> str:
+    """Store the outcome of a try; returns the delivery's new state."""
+    d = session.get(WebhookDelivery, claimed.id, populate_existing=True)
+    if d is None:  # the job (and with it the delivery) was deleted meanwhile
+        session.rollback()
+        return FAILED
+    entry = {
+        "attempt": claimed.attempt,
+        "at": now.isoformat(),
+        "status_code": outcome.status_code,
+        "error": outcome.error,
+        "duration_ms": round(outcome.duration_ms, 1),
+    }
+    d.attempt_log = [*(d.attempt_log or []), entry][-MAX_LOG_ENTRIES:]
+    d.last_status_code = outcome.status_code
+    d.last_error = outcome.error
+    d.updated_at = now
+    if outcome.ok:
+        d.state, d.delivered_at, d.next_attempt_at = DELIVERED, now, None
+    else:
+        retry_at = now + timedelta(seconds=backoff_s(settings, claimed.attempt))
+        window_end = claimed.created_at + timedelta(seconds=settings.webhook_retry_window_s)
+        if claimed.attempt >= settings.webhook_max_attempts or retry_at > window_end:
+            d.state, d.next_attempt_at = FAILED, None
+        else:
+            d.next_attempt_at = retry_at
+    session.commit()
+    return d.state
+
+
+def dispatch_once(
+    sessions: sessionmaker[Session], settings: Settings, *, batch: int = 16, parallel: int = 4
+) -> dict[str, int]:
+    """Make due events and send due deliveries once; counts of what happened."""
+    now = utcnow()
+    with sessions() as s:
+        made = make_events(s, settings, now)
+    with sessions() as s:
+        claimed = claim_due(s, settings, now, batch)
+    counts = {"made": len(made), "sent": len(claimed), DELIVERED: 0, PENDING: 0, FAILED: 0}
+    if not claimed:
+        return counts
+    with ThreadPoolExecutor(max_workers=min(parallel, len(claimed))) as pool:
+        outcomes = list(pool.map(lambda c: send(c, settings), claimed))
+    with sessions() as s:
+        for c, o in zip(claimed, outcomes, strict=True):
+            new_state = record(s, settings, c, o, utcnow())
+            counts[new_state] += 1
+            if not o.ok:
+                log.info(
+                    "webhook %s try %d to %s: %s -> %s", c.id, c.attempt, c.url, o.error, new_state
+                )
+    return counts

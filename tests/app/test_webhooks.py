@@ -1,0 +1,330 @@
+"""Webhooks: URL checks at submit, per-key signing secrets, and the dispatcher delivering
+signed events to a real local HTTP receiver (retries after a 500, bounded attempts, nothing
+for other tenants' jobs)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db.models import WebhookDelivery
+from app.jobs import state
+from app.main import create_app
+from app.settings import Settings
+from app.webhooks.service import dispatch_once
+from app.webhooks.signing import sign, verify
+from app.webhooks.urls import WebhookUrlError, check_webhook_url, refused_reason
+from tests.app.factories import make_key
+from tests.app.helpers import assert_problem
+
+
+@dataclass
+class Receiver:
+    """A local HTTP server recording POSTs; answers `codes` in turn, then 200."""
+
+    url: str
+    codes: list[int] = field(default_factory=list)
+    got: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    rec = Receiver(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            rec.got.append(({k: v for k, v in self.headers.items()}, body))
+            code = rec.codes.pop(0) if rec.codes else 200
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    rec.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield rec
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def hook_settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={"webhook_allow_private": True, "webhook_backoff_s": 0.01, "webhook_timeout_s": 5}
+    )
+
+
+def _submit(c: TestClient, key: str, **extra: Any) -> dict[str, Any]:
+    r = c.post(
+        "/v1/jobs",
+        json={"model": {"id": "tiny"}, "target": {"bits": 4}, **extra},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 202, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _secret(c: TestClient, key: str) -> str:
+    r = c.get("/v1/webhooks/secret", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    assert r.json()["algorithm"] == "HMAC-SHA256"
+    return str(r.json()["secret"])
+
+
+def _succeed(sessions: sessionmaker[Session], job_id: str) -> None:
+    with sessions() as s:
+        assert state.claim(s, job_id, "w1") is not None
+        state.succeed(s, job_id, {"bits_per_weight": 4.25, "layers": []}, worker_id="w1")
+
+
+# ---------------------------------------------------------------- URL rules
+
+
+@pytest.mark.parametrize(
+    ("address", "reason"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("10.1.2.3", "private"),
+        ("192.168.0.7", "private"),
+        ("172.16.5.4", "private"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("0.0.0.0", "private"),
+        ("100.64.0.1", "not globally routable"),
+        ("93.184.216.34", None),
+        ("2606:2800:220:1:248:1893:25c8:1946", None),
+    ],
+)
+def test_refused_addresses(address: str, reason: str | None) -> None:
+    got = refused_reason(address)
+    assert (got is None) == (reason is None), (address, got)
+
+
+def test_check_webhook_url_resolves_and_checks_every_address() -> None:
+    public = lambda host, port: ["93.184.216.34"]  # noqa: E731
+    mixed = lambda host, port: ["93.184.216.34", "10.0.0.5"]  # noqa: E731
+    assert check_webhook_url("https://hooks.example/x", allow_private=False, resolver=public)
+    with pytest.raises(WebhookUrlError, match="10.0.0.5, a private address"):
+        check_webhook_url("https://hooks.example/x", allow_private=False, resolver=mixed)
+    assert check_webhook_url("https://hooks.example/x", allow_private=True, resolver=mixed)
+    for bad, why in [
+        ("ftp://example.com/x", "http:// or https://"),
+        ("example.com/x", "http:// or https://"),
+        ("http:///x", "no host"),
+        ("https://u:p@example.com/", "user name or password"),
+        ("http://example.com:99999/", "not a valid URL"),
+    ]:
+        with pytest.raises(WebhookUrlError, match=why):
+            check_webhook_url(bad, allow_private=True, resolver=public)
+    with pytest.raises(WebhookUrlError, match="loopback"):
+        check_webhook_url("http://localhost:8080/hook", allow_private=False)
+
+
+def test_submit_refuses_private_webhook_urls_with_422(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    for url in [
+        "http://127.0.0.1:9/hook",
+        "http://169.254.169.254/latest",
+        "http://[::1]/x",
+        "gopher://x",
+    ]:
+        r = client.post(
+            "/v1/jobs",
+            json={"model": {"id": "tiny"}, "target": {"bits": 4}, "webhook_url": url},
+            headers=auth,
+        )
+        body = assert_problem(r, 422, "webhook_url")
+        assert (
+            url.split("/")[2].strip("[]").split(":")[0] in body["detail"]
+            or "http" in body["detail"]
+        )
+    assert client.get("/v1/jobs", headers=auth).json()["data"] == []  # nothing was stored
+
+
+def test_submit_with_allowed_webhook_url_is_shown(
+    hook_settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as s:
+        _, key = make_key(s, "a")
+    with TestClient(create_app(hook_settings)) as c:
+        job = _submit(c, key, webhook_url="http://127.0.0.1:9/hook")
+        assert job["webhook_url"] == "http://127.0.0.1:9/hook"
+        assert job["request"]["webhook_url"] == "http://127.0.0.1:9/hook"
+        plain = _submit(c, key)
+        assert plain["webhook_url"] is None and "webhook_url" not in plain["request"]
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def test_secret_per_key_stable_and_rotatable(
+    client: TestClient, sessions: sessionmaker[Session]
+) -> None:
+    with sessions() as s:
+        _, a = make_key(s, "a")
+        _, b = make_key(s, "b")
+    sa, sb = _secret(client, a), _secret(client, b)
+    assert sa.startswith("whsec_") and sa != sb
+    assert _secret(client, a) == sa
+    r = client.post("/v1/webhooks/secret/rotate", headers={"Authorization": f"Bearer {a}"})
+    assert r.status_code == 200 and r.json()["secret"] not in (sa, sb)
+    assert _secret(client, a) == r.json()["secret"]
+    assert_problem(client.get("/v1/webhooks/secret"), 401)
+
+
+def test_sign_and_verify() -> None:
+    body = b'{"a":1}'
+    header = sign("whsec_x", body, timestamp=1_700_000_000)
+    assert verify("whsec_x", body, header, now=1_700_000_010)
+    assert not verify("whsec_y", body, header, now=1_700_000_010)
+    assert not verify("whsec_x", body + b" ", header, now=1_700_000_010)
+    assert not verify("whsec_x", body, header, now=1_700_000_000 + 3600)  # replayed late
+    assert not verify("whsec_x", body, "garbage", now=1_700_000_000)
+
+
+# ---------------------------------------------------------------- delivery
+
+
+def test_delivery_signed_retried_after_500_and_listed(
+    hook_settings: Settings, sessions: sessionmaker[Session], receiver: Receiver
+) -> None:
+    with sessions() as s:
+        _, a = make_key(s, "alice")
+        _, b = make_key(s, "bob")
+    receiver.codes = [500]
+    with TestClient(create_app(hook_settings)) as c:
+        job = _submit(c, a, webhook_url=receiver.url)
+        other = _submit(c, b)  # bob's job: no webhook, nothing may reach alice's receiver
+        assert dispatch_once(sessions, hook_settings)["made"] == 0  # not terminal yet
+        _succeed(sessions, job["id"])
+        _succeed(sessions, other["id"])
+
+        first = dispatch_once(sessions, hook_settings)
+        assert first["made"] == 1 and first["pending"] == 1, first
+        assert len(receiver.got) == 1
+        deliveries = c.get(
+            f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+        )
+        assert deliveries.status_code == 200
+        (d,) = deliveries.json()["data"]
+        assert d["state"] == "pending" and d["attempts"] == 1 and d["last_status_code"] == 500
+
+        import time
+
+        time.sleep(0.05)  # past the (tiny) backoff
+        second = dispatch_once(sessions, hook_settings)
+        assert second["delivered"] == 1, second
+        assert len(receiver.got) == 2
+        assert dispatch_once(sessions, hook_settings)["sent"] == 0  # delivered: never again
+
+        secret_a, secret_b = _secret(c, a), _secret(c, b)
+        for headers, body in receiver.got:
+            assert verify(secret_a, body, headers["Higgs-Signature"])
+            assert not verify(secret_b, body, headers["Higgs-Signature"])
+            event = json.loads(body)
+            assert event["job_id"] == job["id"] and event["status"] == "succeeded"
+            assert event["type"] == "job.succeeded" and event["summary"]["bits_per_weight"] == 4.25
+            assert event["finished_at"] and event["created_at"]
+            assert headers["Higgs-Event-Id"] == event["id"]
+        assert [h["Higgs-Delivery-Attempt"] for h, _ in receiver.got] == ["1", "2"]
+
+        d = c.get(f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}).json()
+        (row,) = d["data"]
+        assert row["state"] == "delivered" and row["attempts"] == 2 and row["delivered_at"]
+        assert [e["status_code"] for e in row["attempt_log"]] == [500, 200]
+        # Another tenant cannot see alice's deliveries; bob's own job has none.
+        assert_problem(
+            c.get(f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {b}"}), 404
+        )
+        mine = c.get(f"/v1/jobs/{other['id']}/webhooks", headers={"Authorization": f"Bearer {b}"})
+        assert mine.json() == {"job_id": other["id"], "webhook_url": None, "data": []}
+    with sessions() as s:
+        assert s.query(WebhookDelivery).count() == 1
+
+
+def test_cancelled_and_failed_jobs_get_events_too(
+    hook_settings: Settings, sessions: sessionmaker[Session], receiver: Receiver
+) -> None:
+    with sessions() as s:
+        _, a = make_key(s, "alice")
+    with TestClient(create_app(hook_settings)) as c:
+        queued = _submit(c, a, webhook_url=receiver.url)
+        running = _submit(c, a, webhook_url=receiver.url)
+        assert (
+            c.post(
+                f"/v1/jobs/{queued['id']}/cancel", headers={"Authorization": f"Bearer {a}"}
+            ).status_code
+            == 200
+        )
+        with sessions() as s:
+            state.claim(s, running["id"], "w1")
+            state.fail(s, running["id"], "invalid_model", "no such model", worker_id="w1")
+        out = dispatch_once(sessions, hook_settings)
+        assert out["delivered"] == 2, out
+    events = {json.loads(b)["job_id"]: json.loads(b) for _, b in receiver.got}
+    assert events[queued["id"]]["status"] == "cancelled"
+    assert events[running["id"]]["status"] == "failed"
+    assert events[running["id"]]["error"] == {"code": "invalid_model", "message": "no such model"}
+
+
+def test_retries_are_bounded(
+    hook_settings: Settings, sessions: sessionmaker[Session], receiver: Receiver
+) -> None:
+    settings = hook_settings.model_copy(
+        update={"webhook_max_attempts": 3, "webhook_backoff_s": 0.001}
+    )
+    with sessions() as s:
+        _, a = make_key(s, "alice")
+    receiver.codes = [500] * 10
+    with TestClient(create_app(settings)) as c:
+        job = _submit(c, a, webhook_url=receiver.url)
+        _succeed(sessions, job["id"])
+        import time
+
+        for _ in range(6):
+            dispatch_once(sessions, settings)
+            time.sleep(0.01)
+        (row,) = c.get(
+            f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+        ).json()["data"]
+    assert row["state"] == "failed" and row["attempts"] == 3 and len(receiver.got) == 3
+    assert row["next_attempt_at"] is None and row["last_status_code"] == 500
+
+
+def test_unreachable_receiver_is_an_outcome_not_a_crash(
+    hook_settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with sessions() as s:
+        _, a = make_key(s, "alice")
+    with TestClient(create_app(hook_settings)) as c:
+        job = _submit(c, a, webhook_url=f"http://127.0.0.1:{port}/hook")
+        _succeed(sessions, job["id"])
+        out = dispatch_once(sessions, hook_settings)
+        assert out["pending"] == 1
+        (row,) = c.get(
+            f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+        ).json()["data"]
+    assert row["last_status_code"] is None and "ConnectError" in row["last_error"]
