@@ -1,7 +1,7 @@
 """webhooks: jobs.webhook_url, api_keys.webhook_secret, webhook_deliveries
 
 Revision ID: 0002_webhooks
-Revises: 0001
+Revises: 0006_worker_faults
 Create Date: 2026-11-30
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0002_webhooks"
-down_revision: str | None = "0001"
+down_revision: str | None = "0006_worker_faults"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
