@@ -18,7 +18,7 @@ from app.keys.service import revoke_key
 from app.main import create_app
 from app.settings import Settings
 from tests.app.factories import make_job, make_key
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 
 def _succeeded_job(sessions: sessionmaker[Session], key_id: str, root: Path) -> str:

@@ -24,7 +24,7 @@ from app.webhooks.service import dispatch_once
 from app.webhooks.signing import sign, verify
 from app.webhooks.urls import WebhookUrlError, check_webhook_url, refused_reason
 from tests.app.factories import make_key
-from tests.app.helpers import assert_problem
+from tests.fixtures import assert_problem
 
 
 @dataclass

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from app.webhooks.signing import verify
-from tests.e2e.conftest import MODEL
 from tests.e2e.test_service_e2e import poll, start_separate, submit, terminal
+from tests.fixtures import TINY_MODEL as MODEL
 
 pytestmark = pytest.mark.slow
 
