@@ -101,6 +101,8 @@ def test_console_in_a_browser(
 
     stack = stack_factory("local")
     stack.env["HIGGS_WEBHOOK_ALLOW_PRIVATE"] = "1"  # the API accepts the 127.0.0.1 receiver
+    # A tiny data-free profile, so that an avg_bits job makes one for the Preview.
+    stack.env.update({"HIGGS_PROFILE_CONTEXT": "16", "HIGGS_PROFILE_WINDOWS": "1"})
     start_separate(stack, WORKER_ENV)
     key = stack.create_key("browser")
     other_key = stack.create_key("someone-else")
@@ -248,6 +250,22 @@ def test_console_in_a_browser(
         assert verify(secret, body, headers["Higgs-Signature"])
         assert not verify(other_secret, body, headers["Higgs-Signature"])
     assert other.get(f"/v1/jobs/{theirs}/webhooks").json()["data"] == []
+
+    # --- Preview once the model has a profile (an avg_bits job makes one): the predicted
+    # quality-against-bits curve with the chosen point marked.
+    r = c.post("/v1/jobs", json={"model": {"id": MODEL}, "target": {"avg_bits": 3.5}})
+    assert r.status_code == 202, r.text
+    assert poll(c, r.json()["id"], terminal, stack=stack)["status"] == "succeeded"
+    page.get_by_role("link", name="New job").click()
+    page.get_by_label("Model").fill(MODEL)
+    page.get_by_label("Average bits").check()
+    page.get_by_label("Target bits").fill("3.5")
+    page.get_by_role("button", name="Preview").click()
+    expect(page.locator("#preview-text")).to_contain_text("chosen: 3.")
+    curve = page.get_by_role("img", name="Predicted quality against bits")
+    expect(curve).to_be_visible()
+    assert curve.locator("path.curve").count() == 1
+    assert curve.locator("circle.chosen").count() == 1
     assert errors == [], errors
     ctx.close()
 
