@@ -328,3 +328,52 @@ def test_unreachable_receiver_is_an_outcome_not_a_crash(
             f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
         ).json()["data"]
     assert row["last_status_code"] is None and "ConnectError" in row["last_error"]
+
+
+def test_slow_receiver_times_out_and_is_retried_later(
+    hook_settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """A receiver slower than HIGGS_WEBHOOK_TIMEOUT_S costs the dispatcher that timeout, is
+    recorded as a failed try and retried; the job finished before any of it."""
+    import time
+
+    release = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            release.wait(10)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = hook_settings.model_copy(update={"webhook_timeout_s": 0.5})
+    try:
+        with sessions() as s:
+            _, a = make_key(s, "alice")
+        with TestClient(create_app(settings)) as c:
+            url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+            job = _submit(c, a, webhook_url=url)
+            _succeed(sessions, job["id"])
+            assert (
+                c.get(f"/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {a}"}).json()[
+                    "status"
+                ]
+                == "succeeded"
+            )
+            t0 = time.monotonic()
+            out = dispatch_once(sessions, settings)
+            assert time.monotonic() - t0 < 5
+            assert out["pending"] == 1, out
+            (row,) = c.get(
+                f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+            ).json()["data"]
+        assert row["state"] == "pending" and "Timeout" in row["last_error"]
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()

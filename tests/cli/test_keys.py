@@ -56,6 +56,11 @@ def test_keys_create_revoke_list(tmp_path: Path) -> None:
 
     with TestClient(create_app(settings)) as c:
         assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # The webhook secret is printed above the key, and the API returns the same one.
+        secret = c.get("/v1/webhooks/secret", headers={"Authorization": f"Bearer {key}"})
+        assert secret.status_code == 200 and secret.json()["secret"].startswith("whsec_")
+        lines = r.stdout.strip().splitlines()
+        assert any(secret.json()["secret"] in line for line in lines[:-1]), r.stdout
         listed = higgs("keys", "list", "--data-dir", str(data))
         assert listed.returncode == 0 and "ci-bot" in listed.stdout and key not in listed.stdout
         r = higgs("keys", "revoke", key, "--data-dir", str(data))
