@@ -54,7 +54,7 @@ def build_checkpoint(kind: str, dest: Path) -> Path:
     cfg = LlamaConfig(**SIZES[kind], max_position_embeddings=2048)
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = LlamaForCausalLM(cfg).bfloat16()
     model.save_pretrained(dest, safe_serialization=True)
     return dest
 

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "hidden_size": 2048,
     "intermediate_size": 5632,
     "num_attention_heads": 32,

@@ -127,13 +127,12 @@ def bench_model(
     t_load = time.perf_counter()
     if causal:
         model, tok = load_causal_lm(model_dir)
-        evaluator: CausalLMEval | EmbeddingEval = CausalLMEval(
-            tok, text, args.context, args.windows
-        )
+        causal_eval = CausalLMEval(tok, text, args.context, args.windows)
+        evaluator: CausalLMEval | EmbeddingEval = causal_eval
         data = {
             "text": "data/news.txt (gensim lee_background.cor)",
             "context": args.context,
-            "windows": int(evaluator.windows.shape[0]),
+            "windows": int(causal_eval.windows.shape[0]),
         }
         metrics = ["kl", "ppl"]
     else:
@@ -174,14 +173,17 @@ def bench_model(
             "shared 2-core machine (noisy); see benchmarks/speed.py for the timing benchmark.",
         }
 
+    def save_partial(rows: list[dict[str, Any]]) -> None:
+        # partial results are on disk after every method ("complete": false until the end)
+        save(payload(rows, None, False), args.out_dir)
+
     rows = run_methods(
         sim,
         evaluator,
         select_methods(args.methods),
         log=lambda s: print(f"[{label}] {s}", flush=True),
         keep_going=True,
-        # partial results are on disk after every method ("complete": false until the end)
-        on_row=lambda rows: save(payload(rows, None, False), args.out_dir),
+        on_row=save_partial,
     )
     real = None
     if not args.no_real_path:

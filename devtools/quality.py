@@ -187,7 +187,8 @@ def select_methods(names: Sequence[str] | None) -> list[Method]:
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """Every nn.Linear of the model except its output head (and weights tied to an embedding)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [
         (name, mod)

@@ -85,7 +85,7 @@ class Api:
             raise ClientError(f"{method} {path}: the service answered non-JSON ({resp.status_code})") from exc
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self.json("GET", f"/v1/jobs/{quote(job_id, safe='')}")  # type: ignore[no-any-return]
+        return self.json("GET", f"/v1/jobs/{quote(job_id, safe='')}")
 
 
 def connect(args: argparse.Namespace) -> Api:

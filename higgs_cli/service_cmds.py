@@ -233,6 +233,21 @@ def _key_sessions(data_dir: str | None) -> Any:
     return session_factory(create_db_engine(settings.database_url))
 
 
+def _keys_create_cmd(args: argparse.Namespace) -> int:
+    keys_create(args.name, args.data_dir)
+    return 0
+
+
+def _keys_revoke_cmd(args: argparse.Namespace) -> int:
+    keys_revoke(args.key_or_id, args.data_dir)
+    return 0
+
+
+def _keys_list_cmd(args: argparse.Namespace) -> int:
+    keys_list(args.data_dir)
+    return 0
+
+
 def keys_create(name: str, data_dir: str | None = None) -> str:
     """Create a key; returns the plaintext key (only its sha256 is stored)."""
     from app.errors import AppError
@@ -285,14 +300,14 @@ def register_keys(subparsers: Any) -> None:
     c = sub.add_parser("create", help="create a key and print it once, alone on the last line")
     c.add_argument("name", help="a label for the key (who or what uses it)")
     c.add_argument("--data-dir", default=None, help=data_dir_help)
-    c.set_defaults(handler=lambda a: keys_create(a.name, a.data_dir) and 0)
+    c.set_defaults(handler=_keys_create_cmd)
     r = sub.add_parser("revoke", help="revoke a key: requests with it get 401 from then on")
     r.add_argument("key_or_id", metavar="KEY_OR_ID", help="the key itself, its id, or its prefix")
     r.add_argument("--data-dir", default=None, help=data_dir_help)
-    r.set_defaults(handler=lambda a: keys_revoke(a.key_or_id, a.data_dir) or 0)
+    r.set_defaults(handler=_keys_revoke_cmd)
     ls = sub.add_parser("list", help="list keys (ids and prefixes, never the keys)")
     ls.add_argument("--data-dir", default=None, help=data_dir_help)
-    ls.set_defaults(handler=lambda a: keys_list(a.data_dir) or 0)
+    ls.set_defaults(handler=_keys_list_cmd)
 
 
 

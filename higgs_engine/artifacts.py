@@ -294,7 +294,7 @@ def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
         model = cls.from_pretrained(str(path), dtype=dtype if dtype is not None else "auto")  # type: ignore[attr-defined]
     except (OSError, ValueError, RuntimeError) as exc:
         raise CorruptCheckpointError(f"cannot load the checkpoint in {str(path)!r}: {exc}") from exc
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 @contextlib.contextmanager
@@ -420,7 +420,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         "grids": grids,
         "dir": str(path),
     }
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def save_native(model: nn.Module, out_dir: Path) -> Path:

@@ -475,7 +475,7 @@ def model_class(config: PretrainedConfig) -> type[nn.Module]:
     from transformers import AutoModel, AutoModelForCausalLM
 
     for auto in (AutoModelForCausalLM, AutoModel):
-        mapping = auto._model_mapping  # type: ignore[attr-defined]
+        mapping = auto._model_mapping
         if type(config) in mapping:
             found: type[nn.Module] = mapping[type(config)]  # type: ignore[assignment]
             return found
@@ -498,7 +498,7 @@ def build_meta_model(config: PretrainedConfig) -> nn.Module:
         raise UnsupportedModelError(
             f"cannot build {cls.__name__} from the checkpoint config: {exc}"
         ) from exc
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,7 +196,7 @@ class ProgressWriter:
 
 
 @contextlib.contextmanager
-def heartbeating(writer: ProgressWriter, interval: float):  # type: ignore[no-untyped-def]
+def heartbeating(writer: ProgressWriter, interval: float) -> Iterator[None]:
     """Run writer.beat() every `interval` seconds in a daemon thread while the block runs."""
     done = threading.Event()
 

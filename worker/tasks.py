@@ -33,7 +33,7 @@ def _exception(exc_info: Any) -> BaseException | None:
     return getattr(exc, "exc", exc)  # celery wraps some in ExceptionWithTraceback
 
 
-class JobRequest(Request):  # type: ignore[misc]
+class JobRequest(Request):
     """The run_job request as the worker's main process sees it."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:

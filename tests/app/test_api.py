@@ -35,7 +35,7 @@ def submit(
 
 def test_submit_get_and_enqueue(
     client: TestClient, auth: dict[str, str], settings: Settings, sessions
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     r = submit(client, auth)
     assert r.status_code == 202, r.text
     job = r.json()
@@ -148,7 +148,7 @@ def test_invalid_requests_are_422_naming_the_field(
     auth: dict[str, str],
     body: dict[str, Any],
     field: str,
-    sessions,  # type: ignore[no-untyped-def]
+    sessions,
 ) -> None:
     r = submit(client, auth, body)
     problem = assert_problem(r, 422, field)
@@ -216,7 +216,7 @@ def test_malformed_and_oversized_bodies(
     assert_problem(client.post("/v1/jobs", content=chunks(), headers=h), 413)
 
 
-def test_auth_required_and_revoked_keys(client: TestClient, auth: dict[str, str], sessions) -> None:  # type: ignore[no-untyped-def]
+def test_auth_required_and_revoked_keys(client: TestClient, auth: dict[str, str], sessions) -> None:
     job = submit(client, auth).json()
     for path in ["/v1/jobs", f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/layers"]:
         assert_problem(client.get(path), 401)
@@ -237,7 +237,7 @@ def test_auth_required_and_revoked_keys(client: TestClient, auth: dict[str, str]
     assert_problem(client.get(f"/v1/jobs/{job['id']}", headers=auth), 401)
 
 
-def test_other_key_sees_404(client: TestClient, auth: dict[str, str], sessions) -> None:  # type: ignore[no-untyped-def]
+def test_other_key_sees_404(client: TestClient, auth: dict[str, str], sessions) -> None:
     job = submit(client, auth).json()
     with sessions() as s:
         _, other = create_key(s, "bob")
@@ -274,7 +274,7 @@ def test_idempotency_same_body_same_job_other_body_422(
     assert queue_depth(settings) == 2  # replays are not enqueued again
 
 
-def test_list_pagination_and_filter(client: TestClient, auth: dict[str, str], sessions) -> None:  # type: ignore[no-untyped-def]
+def test_list_pagination_and_filter(client: TestClient, auth: dict[str, str], sessions) -> None:
     ids = [submit(client, auth).json()["id"] for _ in range(5)]
     with sessions() as s:
         state.claim(s, ids[1], "w")
@@ -300,7 +300,7 @@ def test_list_pagination_and_filter(client: TestClient, auth: dict[str, str], se
     assert_problem(client.get("/v1/jobs", params={"after": "garbage!"}, headers=auth), 422, "after")
 
 
-def test_cancel(client: TestClient, auth: dict[str, str], sessions) -> None:  # type: ignore[no-untyped-def]
+def test_cancel(client: TestClient, auth: dict[str, str], sessions) -> None:
     queued = submit(client, auth).json()
     r = client.post(f"/v1/jobs/{queued['id']}/cancel", headers=auth)
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -319,7 +319,7 @@ def test_cancel(client: TestClient, auth: dict[str, str], sessions) -> None:  # 
 
 def test_progress_layers_report_and_failure_views(
     client: TestClient, auth: dict[str, str], sessions, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     job = submit(client, auth).json()
     jid = job["id"]
     assert_problem(client.get(f"/v1/jobs/{jid}/report", headers=auth), 404)
@@ -381,7 +381,7 @@ def test_progress_layers_report_and_failure_views(
 
 def test_broker_down_still_accepts_and_leaves_job_for_the_sweep(
     settings: Settings, auth: dict[str, str], sessions
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     down = settings.model_copy(
         update={"broker_url": "redis://127.0.0.1:1/0", "broker_timeout_s": 0.5}
     )

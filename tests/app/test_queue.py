@@ -20,7 +20,7 @@ from tests.fixtures import METRICS_AUTH, assert_problem
 REDIS_ENV = "HIGGS_TEST_REDIS_URL"
 
 
-def task_args(message: dict) -> list:  # type: ignore[type-arg]
+def task_args(message: dict) -> list:
     """Positional args of a Celery protocol-2 message (body: base64 JSON [args, kwargs, embed])."""
     body = message["body"]
     if message["properties"].get("body_encoding") == "base64":

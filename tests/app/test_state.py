@@ -55,7 +55,7 @@ def key_id(s: Session) -> str:
     return make_key(s)[0].id
 
 
-def artifact(tmp_path, fmt: str = "native") -> dict:  # type: ignore[no-untyped-def]
+def artifact(tmp_path, fmt: str = "native") -> dict:
     return {
         "format": fmt,
         "root": str(tmp_path / fmt),
@@ -100,7 +100,7 @@ def test_progress_on_queued_job_is_refused(s: Session, key_id: str) -> None:
 
 def test_succeed_stores_report_layers_artifacts_in_one_go(
     s: Session, key_id: str, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     job = make_job(s, key_id)
     state.claim(s, job.id, "w1")
     state.record_progress(s, job.id, "quantizing", 2, 2, worker_id="w1")
@@ -138,7 +138,7 @@ def test_succeed_stores_report_layers_artifacts_in_one_go(
         assert e.value.status == 409 and e.value.job_status == "succeeded"
 
 
-def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, tmp_path) -> None:
     job = make_job(s, key_id)
     state.claim(s, job.id, "w1")
     bad_path = artifact(tmp_path)
@@ -157,7 +157,7 @@ def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, t
     assert s.scalar(select(func.count()).select_from(ArtifactFile)) == 0
 
 
-def test_succeed_by_wrong_worker_or_after_cancel_request(s: Session, key_id: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_succeed_by_wrong_worker_or_after_cancel_request(s: Session, key_id: str, tmp_path) -> None:
     job = make_job(s, key_id)
     with pytest.raises(state.IllegalTransitionError):
         state.succeed(s, job.id, REPORT, [], [])  # still queued
@@ -277,7 +277,7 @@ def test_record_model_revision(s: Session, key_id: str) -> None:
     assert row is not None and row.model_revision == "deadbeef"
 
 
-def test_redelivered_success_replaces_rows(s: Session, key_id: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_redelivered_success_replaces_rows(s: Session, key_id: str, tmp_path) -> None:
     """Rows for a job never duplicate, even if a previous attempt wrote some."""
     job = make_job(s, key_id)
     state.claim(s, job.id, "w1")

@@ -100,10 +100,12 @@ def check_download_and_load(stack: Stack, c: httpx.Client, key: str, job_id: str
     from higgs_engine.artifacts import load_model
 
     model, _ = load_model(out)
-    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    config: Any = model.config  # the transformers config of the loaded model
+    vocab = int(config.vocab_size)
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits
-    assert logits.shape == (1, 12, model.config.vocab_size)
+    assert logits.shape == (1, 12, vocab)
     assert torch.isfinite(logits).all()
 
 

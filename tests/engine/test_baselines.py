@@ -84,7 +84,7 @@ def test_nf4_double_quant_bits_and_error() -> None:
     assert ea <= eb < 1.05 * ea
 
 
-def _bnb_cpu():  # type: ignore[no-untyped-def]
+def _bnb_cpu():
     try:
         import bitsandbytes.functional as F
 
@@ -136,6 +136,6 @@ def test_dynamic_map_shape() -> None:
         (lambda: nf4_quantize(torch.full((2, 2), float("nan"))), "non-finite"),
     ],
 )
-def test_baselines_reject_bad_input(call, match: str) -> None:  # type: ignore[no-untyped-def]
+def test_baselines_reject_bad_input(call, match: str) -> None:
     with pytest.raises(InvalidConfigError, match=match):
         call()

@@ -31,7 +31,7 @@ def cuda(test: Any) -> Any:
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
 
 
-def _codes(q) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _codes(q) -> torch.Tensor:
     return unpack_codes(q.codes, q.bits, q.num_codes)
 
 

@@ -230,7 +230,7 @@ def test_bits_per_weight_exact(p: int, n: int) -> None:
     assert q2.bits_per_weight() == pytest.approx(math.log2(n) / p + 16 / 256, rel=1e-12)
 
 
-def test_serialisation_round_trip_bit_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_serialisation_round_trip_bit_exact(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
     W = _gauss((24, 1000), seed=8)

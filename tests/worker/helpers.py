@@ -19,12 +19,12 @@ def create_job(
     from app.jobs.schemas import JobCreate
     from app.jobs.service import create_job as create
     from app.jobs.service import validate_request
-    from app.keys.service import create_key
+    from app.keys.service import AuthKey, create_key
 
     with sessions() as s:
         key, _ = create_key(s, key_name)
         spec = validate_request(JobCreate.model_validate(body), settings)
-        job, _ = create(s, key, spec, None)
+        job, _ = create(s, AuthKey.of(key), spec, None)
         return job.id
 
 

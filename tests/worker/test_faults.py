@@ -232,7 +232,11 @@ def test_a_queued_job_whose_message_was_lost_is_sent_again_and_a_duplicate_is_ha
     job_id = create_job(sessions, settings, BODY)
     _sent_at(sessions, job_id, 1)
     sent: list[str] = []
-    send = lambda j: sent.append(j) or True  # noqa: E731
+
+    def send(jid: str) -> bool:
+        sent.append(jid)
+        return True
+
     # Recently sent: left alone whatever the broker holds.
     assert sweep(sessions, settings, send, lambda: 0).resent == []
     _sent_at(sessions, job_id, 60)
@@ -328,7 +332,11 @@ def test_a_full_disk_puts_the_job_back_until_there_is_room(
     )
 
     sent: list[str] = []
-    send = lambda j: sent.append(j) or True  # noqa: E731
+
+    def send(jid: str) -> bool:
+        sent.append(jid)
+        return True
+
     free = job.wait_free_bytes
     monkeypatch.setattr(sweep_mod, "volume_free", lambda _p: (free + 1000, 10 * 2**30))
     assert sweep(sessions, settings, send).storage == [] and sent == []  # no more room yet

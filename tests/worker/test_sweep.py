@@ -33,7 +33,7 @@ def _broker_messages(settings: Settings) -> list[str]:
     return ids
 
 
-def _body(msg: dict) -> str:  # type: ignore[type-arg]
+def _body(msg: dict) -> str:
     import base64
 
     raw = msg["body"]
@@ -54,7 +54,7 @@ def _get(sessions: sessionmaker[Session], job_id: str) -> Job:
         return job
 
 
-def _send(settings: Settings):  # type: ignore[no-untyped-def]
+def _send(settings: Settings):
     return lambda job_id: enqueue_job(settings, job_id)
 
 
