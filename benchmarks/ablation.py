@@ -111,7 +111,7 @@ def apply(
 ) -> dict[str, Any]:
     """Replace every layer by fn's W_hat (float16 as in the artifact); per-layer statistics."""
     sim.restore()
-    per_layer = []
+    per_layer: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     with torch.no_grad():
         for name, mod in sim.layers:
@@ -169,12 +169,13 @@ def bench(label: str, args: argparse.Namespace) -> dict[str, Any]:
     text = NEWS_FILE.read_text()
     if causal:
         model, tok = load_causal_lm(SMOLLM_DIR)
-        ev: CausalLMEval | EmbeddingEval = CausalLMEval(tok, text, args.context, args.windows)
+        causal_ev = CausalLMEval(tok, text, args.context, args.windows)
+        ev: CausalLMEval | EmbeddingEval = causal_ev
         metrics = ["kl", "ppl"]
         data = {
             "text": "data/news.txt",
             "context": args.context,
-            "windows": int(ev.windows.shape[0]),
+            "windows": int(causal_ev.windows.shape[0]),
         }
         alphas = (
             {r["name"]: float(r["alpha"]) for r in json.loads(FISHER_PROFILE.read_text())["layers"]}

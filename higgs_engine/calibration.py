@@ -448,7 +448,7 @@ def _capture(
             return passthrough
 
         for k, b in enumerate(blocks):
-            b.forward = make(k)  # type: ignore[method-assign]
+            b.forward = make(k)
         try:
             with torch.no_grad():
                 model(input_ids=windows[i : i + 1], use_cache=False)

@@ -335,8 +335,8 @@ def test_a_full_disk_is_storage_full_then_success_once_space_is_freed(
         assert str(small_volume) not in (job.error_message or "")
     time.sleep(2)  # several sweeps: nothing is sent again while the volume stays full
     for job_id in jobs:
-        job = svc.job(job_id)
-        assert job is not None and (job.status, job.error_code, job.attempts) == (
+        row = svc.job(job_id)
+        assert row is not None and (row.status, row.error_code, row.attempts) == (
             "queued",
             "storage_full",
             0,

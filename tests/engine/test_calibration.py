@@ -4,6 +4,7 @@ tiny Llama / Qwen2 / Gemma2 / GPT-2 checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_later_blocks_see_the_quantized_outputs(llama_ckpt: Path) -> None:
         run_calibrated(llama_ckpt, cfg, reader, specs, Calibration(windows, "x", "t"), zero_block0)
     # With block 0's linears zeroed, block 0 is the identity (residual only): block 1's input
     # is the embedding, whose Hessian after the input norm we recompute here.
-    model = _float_model(llama_ckpt)
+    model: Any = _float_model(llama_ckpt)  # a transformers causal LM
     acc = HessianAccumulator(64)
     blk = model.model.layers[1]
     with torch.no_grad():

@@ -127,6 +127,7 @@ def test_old_meta_without_scale_rule_loads_as_rms() -> None:
     meta = q.meta()
     del meta["scale_rule"]
     old = QuantizedMatrix.from_tensors(q.to_tensors(), meta)
+    assert w_hat is not None
     assert old.scale_rule == "rms" and torch.equal(dequantize_matrix(old), w_hat)
     cfg = HiggsConfig().to_dict()
     del cfg["scale_rule"]
