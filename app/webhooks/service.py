@@ -34,7 +34,7 @@ from app.db.models import TERMINAL, ApiKey, Job, WebhookDelivery
 from app.errors import NotFoundError
 from app.settings import Settings
 from app.webhooks.signing import EVENT_ID_HEADER, SIGNATURE_HEADER, new_secret, sign
-from app.webhooks.urls import WebhookUrlError, check_webhook_url
+from app.webhooks.urls import WebhookUrlError, checked_addresses, pin
 
 log = logging.getLogger("app.webhooks")
 
@@ -232,23 +232,25 @@ def claim_due(session: Session, settings: Settings, now: datetime, limit: int) -
 
 def send(claimed: Claimed, settings: Settings) -> Outcome:
     """One signed POST. Redirects are not followed; the URL is checked again first (its host
-    may resolve elsewhere now)."""
+    may resolve elsewhere now) and the connection goes to the address that passed it."""
     t0 = time.monotonic()
     try:
-        check_webhook_url(claimed.url, allow_private=settings.webhook_allow_private)
-        r = httpx.post(
-            claimed.url,
-            content=claimed.body,
-            headers={
-                "Content-Type": "application/json",
-                "User-Agent": USER_AGENT,
-                SIGNATURE_HEADER: sign(claimed.secret, claimed.body),
-                EVENT_ID_HEADER: claimed.id,
-                "Higgs-Delivery-Attempt": str(claimed.attempt),
-            },
-            timeout=settings.webhook_timeout_s,
-            follow_redirects=False,
-        )
+        addresses = checked_addresses(claimed.url, allow_private=settings.webhook_allow_private)
+        target = pin(claimed.url, addresses[0]) if addresses else None
+        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False) as client:
+            r = client.post(
+                target.url if target else claimed.url,
+                content=claimed.body,
+                headers={
+                    **(target.headers if target else {}),
+                    "Content-Type": "application/json",
+                    "User-Agent": USER_AGENT,
+                    SIGNATURE_HEADER: sign(claimed.secret, claimed.body),
+                    EVENT_ID_HEADER: claimed.id,
+                    "Higgs-Delivery-Attempt": str(claimed.attempt),
+                },
+                extensions=dict(target.extensions) if target else None,
+            )
         code: int | None = r.status_code
         err = None if 200 <= r.status_code < 300 else f"HTTP {r.status_code}"
     except WebhookUrlError as e:

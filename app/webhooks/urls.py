@@ -7,7 +7,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 MAX_URL_CHARS = 2048
 
@@ -44,8 +45,39 @@ def refused_reason(address: str) -> str | None:
     return None
 
 
-def check_webhook_url(url: str, *, allow_private: bool, resolver: Resolver = resolve_host) -> str:
+def check_webhook_url(url: str, *, allow_private: bool, resolver: Resolver | None = None) -> str:
     """The URL if it may receive webhooks; WebhookUrlError saying why not."""
+    checked_addresses(url, allow_private=allow_private, resolver=resolver)
+    return url
+
+
+@dataclass(frozen=True)
+class PinnedRequest:
+    """Where to send a delivery: the URL with its host replaced by a vetted address, the Host
+    header, and the TLS server name, so the connection goes to the address that was checked
+    (a host that resolves elsewhere a moment later cannot redirect it)."""
+
+    url: str
+    headers: dict[str, str]
+    extensions: dict[str, str]
+
+
+def pin(url: str, address: str) -> PinnedRequest:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    ip = f"[{address}]" if ":" in address else address
+    netloc = f"{ip}:{parts.port}" if parts.port else ip
+    pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    host_header = parts.netloc.rsplit("@", 1)[-1]
+    extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
+    return PinnedRequest(pinned, {"Host": host_header}, extensions)
+
+
+def checked_addresses(
+    url: str, *, allow_private: bool, resolver: Resolver | None = None
+) -> list[str]:
+    """The public addresses url's host resolves to ([] when allow_private: no check, no
+    pinning); WebhookUrlError when the URL or any address is refused."""
     if len(url) > MAX_URL_CHARS:
         raise WebhookUrlError(f"webhook_url is {len(url)} characters; at most {MAX_URL_CHARS}")
     try:
@@ -66,9 +98,11 @@ def check_webhook_url(url: str, *, allow_private: bool, resolver: Resolver = res
     if parts.fragment:
         raise WebhookUrlError(f"webhook_url {url[:200]!r} must not have a #fragment")
     if allow_private:
-        return url
+        return []
     try:
-        addresses = resolver(host, port or (443 if parts.scheme == "https" else 80))
+        addresses = (resolver or resolve_host)(
+            host, port or (443 if parts.scheme == "https" else 80)
+        )
     except (OSError, UnicodeError) as e:
         raise WebhookUrlError(f"webhook_url host {host!r} does not resolve: {e}") from e
     if not addresses:
@@ -81,4 +115,4 @@ def check_webhook_url(url: str, *, allow_private: bool, resolver: Resolver = res
                 "webhooks go to public addresses only (an operator may allow private ones "
                 "with HIGGS_WEBHOOK_ALLOW_PRIVATE=1)"
             )
-    return url
+    return addresses

@@ -22,7 +22,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.webhooks.service import dispatch_once
 from app.webhooks.signing import sign, verify
-from app.webhooks.urls import WebhookUrlError, check_webhook_url, refused_reason
+from app.webhooks.urls import WebhookUrlError, check_webhook_url, pin, refused_reason
 from tests.app.factories import make_key
 from tests.fixtures import assert_problem
 
@@ -377,3 +377,37 @@ def test_slow_receiver_times_out_and_is_retried_later(
         release.set()
         server.shutdown()
         server.server_close()
+
+
+def test_deliveries_connect_to_the_checked_address() -> None:
+    p = pin("https://hooks.example:8443/a/b?x=1", "93.184.216.34")
+    assert p.url == "https://93.184.216.34:8443/a/b?x=1"
+    assert p.headers == {"Host": "hooks.example:8443"}
+    assert p.extensions == {"sni_hostname": "hooks.example"}  # TLS still checks the name
+    p6 = pin("http://hooks.example", "2606:2800:220:1::1")
+    assert p6.url == "http://[2606:2800:220:1::1]/" and p6.extensions == {}
+    assert p6.headers == {"Host": "hooks.example"}
+
+
+def test_pinned_delivery_reaches_the_checked_address_with_the_original_host(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without HIGGS_WEBHOOK_ALLOW_PRIVATE the POST goes to the resolved, checked address and
+    names the URL's host in the Host header. (Loopback stands in for a public address here.)"""
+    import app.webhooks.urls as urls
+
+    port = receiver.url.split(":")[2].split("/")[0]
+    monkeypatch.setattr(urls, "resolve_host", lambda host, p: ["127.0.0.1"])
+    monkeypatch.setattr(urls, "refused_reason", lambda address: None)
+    strict = settings.model_copy(update={"webhook_allow_private": False})
+    with sessions() as s:
+        _, a = make_key(s, "alice")
+    with TestClient(create_app(strict)) as c:
+        job = _submit(c, a, webhook_url=f"http://hooks.test:{port}/hook")
+        _succeed(sessions, job["id"])
+        assert dispatch_once(sessions, strict)["delivered"] == 1
+    ((headers, _body),) = receiver.got
+    assert headers["Host"] == f"hooks.test:{port}"
