@@ -1,53 +1,59 @@
 # syntax=docker/dockerfile:1
 # Two images from one file (docker-compose.yml builds both):
-#   --target api     the HTTP API and the one-shot migration: no torch, starts in a second
-#   --target worker  the Celery worker with CUDA torch (runs on the CPU when no GPU is present)
-# The source lives in /app and is installed in editable mode, so `alembic upgrade head` finds
-# alembic.ini + migrations/ and the `higgs` command exists in both images.
+#   --target api     the HTTP API and the one-shot migration: the `api` extra, no torch
+#   --target worker  the Celery worker: the `worker` extra with CUDA torch (runs on the CPU when
+#                    no GPU is present)
+# Both install the project as a wheel (no editable install, no source tree on the import path);
+# the `higgs` command exists in both, and the migrations ship inside the package.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# ---------------------------------------------------------------- common source layer
-FROM ${PYTHON_IMAGE} AS source
+# ---------------------------------------------------------------- common base
+FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+RUN useradd --create-home --uid 10001 higgs && mkdir -p /data && chown higgs /data
+
+# ---------------------------------------------------------------- the project as a wheel
+FROM base AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
 COPY migrations ./migrations
 COPY app ./app
 COPY higgs_engine ./higgs_engine
 COPY higgs_cli ./higgs_cli
 COPY worker ./worker
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- API (light: no torch)
-FROM source AS api
-# The API imports only the torch-free parts of the engine (config, errors, and for POST
-# /v1/plans the allocator, profile and dynamic modules, which need numpy), so the package goes
-# in without its dependencies and only the service's (plus numpy) are added.
-RUN pip install \
-        "numpy>=1.26" "fastapi>=0.115" "uvicorn[standard]>=0.30" "pydantic>=2.7" "pydantic-settings>=2.3" \
-        "sqlalchemy>=2.0" "alembic>=1.13" "psycopg[binary]>=3.1" "celery>=5.4" "redis>=5.0" \
-        "httpx>=0.27" "prometheus-client>=0.20" "pyyaml>=6" "tqdm>=4.66" \
-    && pip install --no-deps -e . \
-    && useradd --create-home --uid 10001 higgs \
-    && mkdir -p /data && chown higgs /data
+FROM base AS api
+COPY --from=wheel /wheels /wheels
+RUN pip install --find-links /wheels "higgs-service[api]" && rm -rf /wheels
+# `alembic upgrade head` (the compose migrate service) reads alembic.ini from the working
+# directory; env.py and the revisions are the same files the package ships.
+WORKDIR /app
+COPY alembic.ini ./
+COPY migrations ./migrations
 USER higgs
 ENV HIGGS_DATA_DIR=/data
 EXPOSE 8000
 CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools"]
 
 # ---------------------------------------------------------------- worker (CUDA torch)
-FROM source AS worker
-# CUDA wheels of torch carry the CUDA runtime; the host needs only the NVIDIA driver and the
-# container toolkit (compose reserves the GPU).
-ARG TORCH_VERSION=2.5.1
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
-    && pip install -e . \
-    && useradd --create-home --uid 10001 higgs \
-    && mkdir -p /data && chown higgs /data
+FROM base AS worker
+# The torch version the project is tested with (scripts/setup's TORCH_SPEC default). From PyPI
+# the Linux x86_64 wheel is the CUDA build, its CUDA runtime in nvidia-* wheels: the host needs
+# only the NVIDIA driver and the container toolkit (compose reserves the GPU). TORCH_INDEX_URL
+# picks another build, e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# (that index must carry this version).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=
+RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+COPY --from=wheel /wheels /wheels
+RUN pip install --find-links /wheels "higgs-service[worker]" "torch==${TORCH_VERSION}" && rm -rf /wheels
+WORKDIR /app
 USER higgs
 ENV HIGGS_DATA_DIR=/data \
     HF_HOME=/data/hf

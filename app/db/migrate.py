@@ -7,13 +7,20 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-# migrations/ lives next to the app package at the repository root.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
+try:
+    import migrations
+
+    # The migrations package: the repository's migrations/ in a checkout, site-packages in an
+    # image (production images install the project, not a source tree).
+    MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+except ImportError:  # an editable install made before migrations/ was a package
+    MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# alembic.ini (logging) sits beside migrations/ in a checkout; an installed service has none.
+ALEMBIC_INI = MIGRATIONS_DIR.parent / "alembic.ini"
 
 
 def alembic_config(url: str) -> Config:
-    ini = REPO_ROOT / "alembic.ini"
+    ini = ALEMBIC_INI
     cfg = Config(str(ini)) if ini.exists() else Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # env.py reads this attribute first, so the URL never goes through ini interpolation.
