@@ -1,4 +1,4 @@
-"""Calibrated HIGGS: GPTQ with HIGGS grids (docs/algorithm.md section 5), and standard GPTQ int4.
+"""Calibrated HIGGS: GPTQ with HIGGS grids (docs/algorithm.md section 6), and standard GPTQ int4.
 
 For one linear layer W (out, in) with calibration inputs X (tokens, in):
 
