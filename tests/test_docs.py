@@ -85,3 +85,15 @@ def test_nothing_points_outside_the_repository() -> None:
 def test_file_walk_sees_the_sources() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in repository_text_files()}
     assert {"README.md", "docs/api.md", "scripts/setup", "app/settings.py", "Dockerfile"} <= names
+
+
+def test_no_wording_about_how_the_project_was_built() -> None:
+    pattern = re.compile(r"\bthe issue\b|\bissue \d|reference figures|\blent\b", re.IGNORECASE)
+    hits = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()[:100]}"
+        for path in repository_text_files()
+        if path != Path(__file__).resolve()
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == []
