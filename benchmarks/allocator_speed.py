@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from higgs_engine.allocator import LayerSpec, Option, build_problem, solve
+from higgs_engine.planning.allocator import LayerSpec, Option, build_problem, solve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {

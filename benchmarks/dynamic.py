@@ -45,9 +45,16 @@ from devtools.quality import (  # noqa: E402
     load_causal_lm,
     rtn_fn,
 )
-from higgs_engine.allocator import Allocation, Option, build_problem, default_options, solve  # noqa: E402
-from higgs_engine.dynamic import layer_specs_from_profile  # noqa: E402
-from higgs_engine.profile import Profile, ProfileConfig, compute_profile  # noqa: E402
+from higgs_engine.planning.allocator import (  # noqa: E402
+    Allocation,
+    Option,
+    build_problem,
+    default_options,
+    solve,
+)
+from higgs_engine.planning.plans import layer_specs_from_profile  # noqa: E402
+from higgs_engine.planning.profile import Profile, ProfileConfig  # noqa: E402
+from higgs_engine.profile import compute_profile  # noqa: E402
 
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:

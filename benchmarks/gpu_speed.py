@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from higgs_engine.config import HiggsConfig  # noqa: E402
 from higgs_engine.pipeline import quantize_checkpoint  # noqa: E402
+from higgs_engine.planning.config import HiggsConfig  # noqa: E402
 from higgs_engine.quantize import quantize_matrix  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -92,8 +92,8 @@ def real_path(
     model_dir: Path, evaluator: CausalLMEval | EmbeddingEval, causal: bool
 ) -> dict[str, Any]:
     """quantize_checkpoint (HIGGS p=2 n=256, dequantized artifact) evaluated on the same data."""
-    from higgs_engine.config import HiggsConfig
     from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig(p=2, n=256, formats=("dequantized",))
     with tempfile.TemporaryDirectory(prefix="higgs-quality-") as tmp:

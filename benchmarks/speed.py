@@ -137,8 +137,8 @@ def bench_threads(
 
 
 def pipeline_time(model_dir: Path) -> dict[str, Any]:
-    from higgs_engine.config import HiggsConfig
     from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.planning.config import HiggsConfig
 
     with tempfile.TemporaryDirectory(prefix="higgs-speed-") as tmp:
         t0 = time.perf_counter()

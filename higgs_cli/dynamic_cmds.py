@@ -205,7 +205,7 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
 
 
 def _profile_config(args: argparse.Namespace, prefix: str = "") -> Any:
-    from higgs_engine.profile import ProfileConfig
+    from higgs_engine.planning.profile import ProfileConfig
 
     def get(name: str) -> Any:
         return getattr(args, (prefix + name).replace("-", "_"))
@@ -295,7 +295,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _load_profile(path: str) -> Any:
-    from higgs_engine.profile import Profile
+    from higgs_engine.planning.profile import Profile
 
     prof = Profile.load(Path(path))
     if not prof.complete:
@@ -306,7 +306,7 @@ def _load_profile(path: str) -> Any:
 
 
 def _target(avg_bits: float | None, max_ppl: float | None) -> Any:
-    from higgs_engine.dynamic import Target
+    from higgs_engine.planning.plans import Target
 
     if avg_bits is None and max_ppl is None:
         return None
@@ -314,7 +314,7 @@ def _target(avg_bits: float | None, max_ppl: float | None) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from higgs_engine.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig(
         group_size=args.group_size, rotation_block=args.rotation_block, skip=_skip(args)
@@ -322,11 +322,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = _target(args.avg_bits, args.max_ppl_increase)
     prof = _load_profile(args.profile)
     from higgs_engine.checkpoint import quantizable_layers, resolve_source
-    from higgs_engine.dynamic import plan_allocation, ppl_increase_from
+    from higgs_engine.planning.plans import plan_allocation, ppl_increase_from
 
     src = resolve_source(args.source, args.revision, args.token)
     names = quantizable_layers(src.path, cfg.skip)
-    from higgs_engine.allocator import options_up_to
+    from higgs_engine.planning.allocator import options_up_to
 
     opts = options_up_to(args.max_code_bits)
     plan = plan_allocation(prof, cfg, target, names=names, options=opts, pareto_step=args.step)
@@ -369,8 +369,8 @@ def dynamic_quantize(
         if not getattr(args, "profile", None):
             return None
         prof = _load_profile(args.profile)
-        from higgs_engine.dynamic import annotate_report
         from higgs_engine.pipeline import quantize_checkpoint
+        from higgs_engine.planning.plans import annotate_report
 
         rep = quantize_checkpoint(
             args.source,
@@ -391,7 +391,8 @@ def dynamic_quantize(
             "--bits / --n fix one grid for every layer; drop them with --avg-bits or --max-ppl-increase"
         )
     from higgs_engine.checkpoint import quantizable_layers, resolve_source
-    from higgs_engine.dynamic import get_profile, plan_allocation, quantize_with_allocation
+    from higgs_engine.dynamic import get_profile, quantize_with_allocation
+    from higgs_engine.planning.plans import plan_allocation
 
     if args.profile:
         prof = _load_profile(args.profile)
@@ -412,7 +413,7 @@ def dynamic_quantize(
         )
     src = resolve_source(args.source, args.revision, args.token)
     names = quantizable_layers(src.path, config.skip)
-    from higgs_engine.allocator import options_up_to
+    from higgs_engine.planning.allocator import options_up_to
 
     opts = options_up_to(args.max_code_bits)
     plan = plan_allocation(prof, config, target, names=names, options=opts, progress=progress)

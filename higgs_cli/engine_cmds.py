@@ -188,7 +188,7 @@ def quiet_libraries() -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    from higgs_engine.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     skip = tuple(pat for group in args.skip for pat in group)

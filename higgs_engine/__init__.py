@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.config import HiggsConfig, LayerOverride
 from higgs_engine.errors import HiggsError
+from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.report import LayerReport, Report
 
 __version__ = "0.1.0"

@@ -16,34 +16,29 @@ come before the pipeline's own.
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.allocator import (
-    _FP16_BITS,
-    Allocation,
-    DPTable,
-    LayerSpec,
-    Option,
-    ParetoPoint,
-    build_problem,
-    default_options,
-    solve,
-)
-from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import InvalidConfigError, ProfileNotFoundError
-from higgs_engine.profile import (
+from higgs_engine.planning.allocator import Option
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.plans import (
+    Plan,
+    Target,
+    annotate_report,
+    config_with_allocation,
+    plan_allocation,
+)
+from higgs_engine.planning.profile import (
     Profile,
     ProfileConfig,
     calibration_id,
-    compute_profile,
     profile_key,
+    source_fingerprint,
 )
-from higgs_engine.progress import ProgressCallback, report
+from higgs_engine.profile import compute_profile
+from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 
 if TYPE_CHECKING:
@@ -54,136 +49,11 @@ if TYPE_CHECKING:
 
 DEFAULT_PROFILE = ProfileConfig()
 DEFAULT_CONFIG = HiggsConfig()
-KL_TO_PPL = "ppl_increase = exp(KL) - 1 (perplexity ratio ~= exp of the KL from the base model)"
-
-
-@dataclass(frozen=True)
-class Target:
-    """Exactly one of avg_bits / max_ppl_increase."""
-
-    avg_bits: float | None = None
-    max_ppl_increase: float | None = None
-
-    def __post_init__(self) -> None:
-        if (self.avg_bits is None) == (self.max_ppl_increase is None):
-            raise InvalidConfigError("give exactly one of avg_bits and max_ppl_increase")
-        if self.avg_bits is not None and (not math.isfinite(self.avg_bits) or self.avg_bits <= 0):
-            raise InvalidConfigError(f"avg_bits={self.avg_bits} must be a positive number")
-        if self.max_ppl_increase is not None and (
-            not math.isfinite(self.max_ppl_increase) or self.max_ppl_increase < 0
-        ):
-            raise InvalidConfigError(
-                f"max_ppl_increase={self.max_ppl_increase} must be a number >= 0"
-            )
-
-    def to_dict(self) -> dict[str, float]:
-        return {
-            k: v
-            for k, v in (("avg_bits", self.avg_bits), ("max_ppl_increase", self.max_ppl_increase))
-            if v is not None
-        }
-
-
-# ---------------------------------------------------------------------------------------------
-# Metric conversions and predictions
-# ---------------------------------------------------------------------------------------------
-
-
-def ppl_increase_from(metric: str, predicted: float) -> float:
-    """Predicted relative perplexity increase from a predicted change of the profile's metric."""
-    if metric == "kl":
-        return math.expm1(predicted)
-    return predicted
-
-
-def metric_bound_for_ppl(metric: str, max_ppl_increase: float) -> float:
-    """The bound on the profile's metric that corresponds to a relative ppl increase."""
-    if metric == "kl":
-        return math.log1p(max_ppl_increase)
-    return max_ppl_increase
-
-
-def conversion_note(metric: str) -> str:
-    return (
-        KL_TO_PPL
-        if metric == "kl"
-        else "ppl profile: predicted values are relative perplexity increases"
-    )
-
-
-def predict_change(profile: Profile, rel_errors: dict[str, float]) -> dict[str, Any]:
-    """sum_l alpha_l * t_l^2 over the given layers' measured relative errors t_l^2.
-
-    Layers without an alpha in the profile are listed under "unprofiled" and not counted.
-    """
-    alphas = profile.alphas()
-    terms = [alphas[n] * t2 for n, t2 in rel_errors.items() if n in alphas]
-    pred = math.fsum(terms)
-    out: dict[str, Any] = {
-        "metric": profile.metric,
-        f"predicted_{profile.metric}": pred,
-        "predicted_ppl_increase": ppl_increase_from(profile.metric, pred),
-        "conversion": conversion_note(profile.metric),
-        "profile_method": profile.method,
-        "unprofiled": sorted(n for n in rel_errors if n not in alphas),
-    }
-    return out
-
-
-def annotate_report(rep: Report, profile: Profile, allocation: Allocation | None = None) -> Report:
-    """Add alphas and the predicted metric change (from the layers' measured t^2) to a report."""
-    alphas = profile.alphas()
-    for row in rep.layers:
-        if row.name in alphas:
-            row.alpha = alphas[row.name]
-    pred = predict_change(profile, {row.name: row.rel_error for row in rep.layers})
-    metrics = dict(rep.metrics)
-    metrics.update(pred)
-    metrics["profile"] = {
-        "key": profile.key(),
-        "method": profile.method,
-        "metric": profile.metric,
-        "calibration": profile.calibration,
-        "tokens": ProfileConfig.from_dict(profile.config).tokens,
-        "cost": profile.cost,
-    }
-    if allocation is not None:
-        metrics["allocation"] = {
-            "avg_bits": allocation.avg_bits,
-            f"predicted_{profile.metric}_grid_mse": allocation.predicted,
-            "histogram": allocation.histogram(),
-            "layers": {
-                n: o.label for n, o in zip(allocation.names, allocation.options, strict=True)
-            },
-        }
-    rep.metrics = metrics
-    return rep
 
 
 # ---------------------------------------------------------------------------------------------
 # Profiles of a checkpoint, cached
 # ---------------------------------------------------------------------------------------------
-
-
-def source_fingerprint(path: Path) -> str:
-    """A cheap content fingerprint of a local checkpoint: config + safetensors headers, sizes
-    and 16 sampled 64 KiB chunks of each weight file (full hashing of a 7B model takes minutes)."""
-    h = hashlib.sha256()
-    cfg = path / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + str(size).encode())
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            h.update(head)
-            if len(head) == 8:
-                h.update(fh.read(min(int.from_bytes(head, "little"), 1 << 24)))
-            for k in range(16):
-                fh.seek(size * k // 16)
-                h.update(fh.read(1 << 16))
-    return "local:" + h.hexdigest()[:32]
 
 
 def load_float_model(path: Path) -> tuple[nn.Module, Any]:
@@ -286,121 +156,6 @@ def get_profile(
     if out is not None and out != partial:
         prof.save(out)
     return prof
-
-
-# ---------------------------------------------------------------------------------------------
-# Allocation
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Plan:
-    allocation: Allocation
-    pareto: list[ParetoPoint]
-    metric: str
-    target: Target | None
-    conversion: str
-
-    def to_dict(self) -> dict[str, Any]:
-        a = self.allocation
-        return {
-            "target": self.target.to_dict() if self.target else None,
-            "metric": self.metric,
-            "conversion": self.conversion,
-            "allocation": {
-                "avg_bits": a.avg_bits,
-                f"predicted_{self.metric}": a.predicted,
-                "predicted_ppl_increase": ppl_increase_from(self.metric, a.predicted),
-                "histogram": a.histogram(),
-                "layers": [
-                    {"name": n, "p": o.p, "n": o.n, "option": o.label}
-                    for n, o in zip(a.names, a.options, strict=True)
-                ],
-            },
-            "pareto": [
-                {
-                    "avg_bits": p.avg_bits,
-                    f"predicted_{self.metric}": p.predicted,
-                    "predicted_ppl_increase": ppl_increase_from(self.metric, p.predicted),
-                }
-                for p in self.pareto
-            ],
-        }
-
-
-def layer_specs_from_profile(
-    profile: Profile, names: Sequence[str] | None = None
-) -> list[LayerSpec]:
-    """Allocator inputs from the profile (shape and alpha per layer); `names` must all be in it."""
-    by_name = {la.name: la for la in profile.layers}
-    wanted = list(names) if names is not None else [la.name for la in profile.layers]
-    missing = [n for n in wanted if n not in by_name]
-    if missing:
-        raise InvalidConfigError(
-            f"the profile has no alpha for layer(s) {missing[:5]}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
-    return [
-        LayerSpec(n, by_name[n].shape[0], by_name[n].shape[1], max(0.0, by_name[n].alpha))
-        for n in wanted
-    ]
-
-
-def build_table(
-    profile: Profile,
-    config: HiggsConfig,
-    *,
-    names: Sequence[str] | None = None,
-    options: Sequence[Option] | None = None,
-    max_avg_bits: float | None = None,
-    resolution: float = 1e-4,
-) -> DPTable:
-    """The DP table of the profile's layers under `config`'s group size and rotation block.
-
-    Negative alphas (noise-level measurement noise on insensitive layers) are clipped to 0.
-    """
-    layers = layer_specs_from_profile(profile, names)
-    problem = build_problem(
-        layers,
-        options if options is not None else default_options(),
-        group_size=config.group_size,
-        rotation_block=config.rotation_block,
-        # kept layers are stored in the artifact's dtype
-        keep_bits=32 if config.dtype == "float32" else _FP16_BITS,
-    )
-    return solve(problem, max_avg_bits, resolution)
-
-
-def plan_allocation(
-    profile: Profile,
-    config: HiggsConfig,
-    target: Target | None,
-    *,
-    names: Sequence[str] | None = None,
-    options: Sequence[Option] | None = None,
-    resolution: float = 1e-4,
-    pareto_step: float | None = 0.05,
-    progress: ProgressCallback | None = None,
-) -> Plan:
-    """Allocation for `target` (None: the plan only, allocation at the largest budget) + Pareto curve."""
-    report(progress, "allocating", 0, 1)
-    table = build_table(profile, config, names=names, options=options, resolution=resolution)
-    if target is None:
-        alloc = table.allocate(table.problem.max_avg_bits())
-    elif target.avg_bits is not None:
-        alloc = table.allocate(target.avg_bits)
-    else:
-        assert target.max_ppl_increase is not None
-        alloc = table.smallest_within(metric_bound_for_ppl(profile.metric, target.max_ppl_increase))
-    pareto = table.pareto(pareto_step)
-    report(progress, "allocating", 1, 1)
-    return Plan(alloc, pareto, profile.metric, target, conversion_note(profile.metric))
-
-
-def config_with_allocation(base: HiggsConfig, allocation: Allocation) -> HiggsConfig:
-    """`base` with one override per allocated layer (the layer's grid, or p=0 for 16 bits)."""
-    keep = [o for o in base.overrides if o.name not in set(allocation.names)]
-    return replace(base, overrides=(*keep, *allocation.overrides()))
 
 
 def quantize_with_allocation(

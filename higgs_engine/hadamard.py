@@ -21,8 +21,8 @@ import torch
 from higgs_engine.errors import InvalidConfigError
 
 # block_layout lives in a torch-free module (the allocator and the API use it); re-exported here.
-from higgs_engine.layout import block_layout
-from higgs_engine.layout import is_power_of_two as _is_power_of_two
+from higgs_engine.planning.layout import block_layout
+from higgs_engine.planning.layout import is_power_of_two as _is_power_of_two
 
 __all__ = [
     "block_layout",

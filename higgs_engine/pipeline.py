@@ -27,8 +27,8 @@ from higgs_engine.checkpoint import (
     load_config,
     resolve_source,
 )
-from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import HiggsError, InvalidConfigError
+from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
 

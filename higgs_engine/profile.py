@@ -26,162 +26,19 @@ run gives the same numbers as an uninterrupted one.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError, ProfileNotFoundError
+from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
+from higgs_engine.planning.profile import LayerAlpha, Profile, ProfileConfig, profile_key
 from higgs_engine.progress import ProgressCallback, report
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-PROFILE_VERSION = 1
-METRICS = ("kl", "ppl")
-METHODS = ("noise", "fisher")
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """How a profile is measured. Everything that changes the alphas is in here."""
-
-    metric: str = "kl"
-    method: str = "noise"
-    levels: tuple[float, ...] = (0.005, 0.02)  # noise t^2 for the noise-injection method
-    context: int = 512
-    windows: int = 4  # token budget = windows * context
-    seed: int = 0
-    fisher_samples: int = 4  # label draws (backward passes) per window for the Fisher method
-
-    def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise InvalidConfigError(f"metric={self.metric!r} must be one of {list(METRICS)}")
-        if self.method not in METHODS:
-            raise InvalidConfigError(f"method={self.method!r} must be one of {list(METHODS)}")
-        if self.method == "noise":
-            if not self.levels:
-                raise InvalidConfigError("levels must name at least one noise level t^2")
-            bad = [x for x in self.levels if not (math.isfinite(x) and 0 < x < 1)]
-            if bad:
-                raise InvalidConfigError(f"noise levels {bad} must be relative MSEs t^2 in (0, 1)")
-        if self.context < 2:
-            raise InvalidConfigError(f"context={self.context} must be at least 2 tokens")
-        if self.windows < 1:
-            raise InvalidConfigError(f"windows={self.windows} must be at least 1")
-        if self.fisher_samples < 1:
-            raise InvalidConfigError(f"fisher_samples={self.fisher_samples} must be at least 1")
-
-    @property
-    def tokens(self) -> int:
-        return self.windows * self.context
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["levels"] = list(self.levels)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ProfileConfig:
-        d = dict(d)
-        d["levels"] = tuple(d.get("levels", ()))
-        return cls(**d)
-
-
-@dataclass
-class LayerAlpha:
-    name: str
-    shape: list[int]  # [out_features, in_features]
-    alpha: float
-    # noise method: [[t2, metric change], ...] per level; fisher: [] (tr_fisher is set instead)
-    points: list[list[float]] = field(default_factory=list)
-    tr_fisher: float | None = None
-
-
-@dataclass
-class Profile:
-    model: str  # model id or path as given
-    revision: str | None  # resolved commit or local fingerprint
-    calibration: str  # "text:<sha256>" or "random:<seed>"
-    config: dict[str, Any]  # ProfileConfig.to_dict()
-    layers: list[LayerAlpha]
-    base: dict[str, float]  # {"ppl": ...} of the base model on the calibration tokens
-    cost: dict[str, float]  # {"forward_passes", "backward_passes", "seconds"}
-    complete: bool
-    version: int = PROFILE_VERSION
-
-    @property
-    def metric(self) -> str:
-        return str(self.config["metric"])
-
-    @property
-    def method(self) -> str:
-        return str(self.config["method"])
-
-    def alphas(self) -> dict[str, float]:
-        return {la.name: la.alpha for la in self.layers}
-
-    def key(self) -> str:
-        return profile_key(
-            self.model, self.revision, self.calibration, ProfileConfig.from_dict(self.config)
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Profile:
-        d = dict(d)
-        if d.get("version") != PROFILE_VERSION:
-            raise CorruptCheckpointError(
-                f"profile version {d.get('version')!r} is not {PROFILE_VERSION}"
-            )
-        d["layers"] = [LayerAlpha(**row) for row in d["layers"]]
-        return cls(**d)
-
-    def save(self, path: Path) -> None:
-        """Write atomically (a reader never sees half a file; an interrupted run keeps the last one)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> Profile:
-        path = Path(path)
-        if not path.is_file():
-            raise ProfileNotFoundError(f"profile file {str(path)!r} does not exist")
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{str(path)!r} is not a valid profile: {exc}") from exc
-
-
-def profile_key(model: str, revision: str | None, calibration: str, config: ProfileConfig) -> str:
-    """Cache key: model, revision, calibration data, and every setting that changes alphas."""
-    blob = json.dumps(
-        {
-            "model": model,
-            "revision": revision,
-            "calibration": calibration,
-            "config": config.to_dict(),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def calibration_id(text: str | None, seed: int) -> str:
-    if text is None:
-        return f"random:{seed}"
-    return "text:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-
 
 # ---------------------------------------------------------------------------------------------
 # Calibration tokens and metric evaluation

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from higgs_engine.config import SCALE_RULES as CONFIG_SCALE_RULES
+from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate

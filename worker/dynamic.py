@@ -27,9 +27,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.plans.planner import DYNAMIC_TARGETS, grid_menu, menu_order
 from app.plans.profiles import find_profiles, profile_payload, store_profile
 from app.settings import Settings
-from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
-from higgs_engine.profile import Profile, ProfileConfig, calibration_id
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.profile import Profile, ProfileConfig, calibration_id
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 from worker.models import ModelSource
@@ -89,7 +89,7 @@ def is_dynamic(config: dict[str, Any]) -> bool:
 
 def profile_revision(source: ModelSource) -> str:
     """What a profile is keyed by: the Hub commit sha, or a local checkpoint's fingerprint."""
-    from higgs_engine.dynamic import source_fingerprint
+    from higgs_engine.planning.profile import source_fingerprint
 
     return source.revision or source_fingerprint(source.path)
 
@@ -183,9 +183,9 @@ def quantize_dynamic(
 ) -> Report:
     """Profile -> allocate -> quantize (by `quantize`, the runner's call of the pipeline) ->
     the annotated report."""
-    from higgs_engine.allocator import KEEP_16, Option
     from higgs_engine.checkpoint import quantizable_layers
-    from higgs_engine.dynamic import (
+    from higgs_engine.planning.allocator import KEEP_16, Option
+    from higgs_engine.planning.plans import (
         Target,
         annotate_report,
         config_with_allocation,
@@ -254,7 +254,7 @@ def annotate_uniform(
 ) -> None:
     """A uniform job on a model with a cached profile also reports each layer's alpha and the
     predicted metric change from its measured t^2 (never measures a profile for it)."""
-    from higgs_engine.dynamic import annotate_report
+    from higgs_engine.planning.plans import annotate_report
 
     prof = cached_profile(sessions, source, ps)
     if prof is not None:

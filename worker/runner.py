@@ -38,8 +38,8 @@ from app.artifacts.manifest import artifact_rows as manifest_rows
 from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
 from app.settings import Settings
-from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
+from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db

@@ -31,8 +31,8 @@ from app.keys.service import AuthKey
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
-from higgs_engine.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 
 JOB_CONFIG_VERSION = 1
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")

@@ -2,7 +2,7 @@
 the avg_bits / max_ppl_increase targets, and plans computed from a cached profile.
 
 Pure Python up to `compute_plan`, which runs the engine's allocator (numpy, no torch:
-higgs_engine.allocator / dynamic / profile / grid_table import no torch, checked by
+higgs_engine.planning.allocator / dynamic / profile / grid_table import no torch, checked by
 tests/app/test_import_rules.py). The worker builds its allocation with the same menu, base
 config and resolution, so a plan shows exactly what a job with that target would get.
 """
@@ -13,8 +13,8 @@ import math
 from typing import Any
 
 from app.errors import ValidationFailedError
-from higgs_engine.config import SUPPORTED_GRIDS, code_bits
 from higgs_engine.errors import InfeasibleTargetError
+from higgs_engine.planning.config import SUPPORTED_GRIDS, code_bits
 
 DYNAMIC_TARGETS = ("avg_bits", "max_ppl_increase")
 # Every layer in 16 bits: a budget at or above it buys nothing more.
@@ -101,10 +101,10 @@ def compute_plan(
 
     Raises ValidationFailedError naming target.<kind> when the target is infeasible for this
     model, HiggsError when the profile cannot be used."""
-    from higgs_engine.allocator import KEEP_16, Option
-    from higgs_engine.config import HiggsConfig
-    from higgs_engine.dynamic import Target, plan_allocation
-    from higgs_engine.profile import Profile
+    from higgs_engine.planning.allocator import KEEP_16, Option
+    from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.planning.plans import Target, plan_allocation
+    from higgs_engine.planning.profile import Profile
 
     profile = Profile.from_dict(profile_data)
     base = HiggsConfig(group_size=group_size, rotation_block=rotation_block, dtype=dtype)
@@ -131,7 +131,7 @@ def compute_plan(
 def menu_order(options: list[Any]) -> list[Any]:
     """The allocator's menu order (cheapest code bits first, p=2 first at equal bits, 16-bit
     last), which decides ties: the API and the worker must use the same order."""
-    from higgs_engine.allocator import default_options
+    from higgs_engine.planning.allocator import default_options
 
     rank = {o: i for i, o in enumerate(default_options())}
     return sorted(options, key=lambda o: rank[o])

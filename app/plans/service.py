@@ -16,8 +16,8 @@ from app.jobs.service import config_error_field
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
 from app.settings import Settings
-from higgs_engine.config import SUPPORTED_GRIDS, HiggsConfig
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig
 
 
 class PlanOptions(Strict):

@@ -26,16 +26,14 @@ SERVICE_LIBS = {
     "prometheus_client",
 }
 HEAVY = {"torch", "transformers", "safetensors", "huggingface_hub", "numpy", "gguf", "accelerate"}
-# config and errors are pure Python; allocator, dynamic and profile (plans from a cached
-# profile) need numpy but never torch: test_planning_never_loads_torch runs them.
-APP_MAY_IMPORT_FROM_ENGINE = {
-    "higgs_engine",
-    "higgs_engine.config",
-    "higgs_engine.errors",
-    "higgs_engine.allocator",
-    "higgs_engine.dynamic",
-    "higgs_engine.profile",
-}
+# What the API process must never load: the torch stack (numpy is allowed to the planning part,
+# higgs_engine/planning/__init__.py says why).
+TORCH_STACK = HEAVY - {"numpy"}
+# The engine modules app/ may import: the torch-free planning part, and the typed errors.
+APP_ENGINE_PREFIX = "higgs_engine.planning"
+APP_ENGINE_EXTRA = {"higgs_engine.errors"}
+# The planning part's own imports: itself, the engine's pure-Python leaf modules, numpy.
+PLANNING_MAY_IMPORT = {"higgs_engine.errors", "higgs_engine.progress", "higgs_engine.report"}
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -46,13 +44,71 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.lineno, node.module))
-            # `from higgs_engine import pipeline` imports a submodule too.
+            # `from higgs_engine.planning import plans` imports a submodule too.
             found += [
                 (node.lineno, f"{node.module}.{a.name}")
                 for a in node.names
-                if node.module == "higgs_engine"
+                if top(node.module) == "higgs_engine" and module_file(f"{node.module}.{a.name}")
             ]
     return found
+
+
+def module_file(module: str) -> Path | None:
+    """The source file of a repo module (a package's __init__.py), None for anything else."""
+    base = ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def eager_imports(path: Path) -> list[str]:
+    """The imports a module runs when it is imported: module level, not in a function, not
+    under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append(node.module)
+                found.extend(
+                    f"{node.module}.{a.name}"
+                    for a in node.names
+                    if module_file(f"{node.module}.{a.name}")
+                )
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def engine_closure(modules: set[str]) -> set[str]:
+    """Every higgs_engine module that importing `modules` can run, followed transitively: all
+    of their own imports (nested ones included), plus the packages above each on the way, of
+    which only what runs on import counts (the package root's lazy `quantize_checkpoint`
+    attribute loads the pipeline only when someone asks for it, and app/ never does: it may
+    not import from the package root at all)."""
+    seen: set[str] = set()
+    todo = list(modules)
+    while todo:
+        mod = todo.pop()
+        if mod in seen or module_file(mod) is None:
+            continue
+        seen.add(mod)
+        todo += [m for _, m in imports_of(module_file(mod)) if top(m) == "higgs_engine"]  # type: ignore[arg-type]
+        parts = mod.split(".")
+        for k in range(1, len(parts)):
+            pkg = ".".join(parts[:k])
+            todo += [m for m in eager_imports(module_file(pkg)) if top(m) == "higgs_engine"]  # type: ignore[arg-type]
+    return seen
 
 
 def violations(package: str, allowed: Callable[[str], bool]) -> list[str]:
@@ -73,20 +129,64 @@ def test_engine_imports_no_service_code() -> None:
     assert violations("higgs_engine", lambda m: top(m) not in banned) == []
 
 
+def app_engine_ok(module: str) -> bool:
+    return module.startswith(APP_ENGINE_PREFIX) or module in APP_ENGINE_EXTRA
+
+
 def test_app_imports_neither_worker_nor_torch() -> None:
     def ok(m: str) -> bool:
         if top(m) in {"worker", "higgs_cli"} | HEAVY:
             return False
         if top(m) == "higgs_engine":
-            # Only the torch-free modules above (and names from the package root that config
-            # and errors provide).
-            return m in APP_MAY_IMPORT_FROM_ENGINE or m in {
-                "higgs_engine.HiggsConfig",
-                "higgs_engine.HiggsError",
-            }
+            return app_engine_ok(m)
         return True
 
     assert violations("app", ok) == []
+
+
+def engine_modules_app_imports() -> set[str]:
+    return {
+        m
+        for path in (ROOT / "app").rglob("*.py")
+        for _, m in imports_of(path)
+        if top(m) == "higgs_engine" and module_file(m) is not None
+    }
+
+
+def test_engine_modules_the_app_reaches_import_no_torch_anywhere() -> None:
+    """Static, not only at runtime: no module the API can reach through its engine imports
+    has a torch-stack import in it, not even inside a function or under TYPE_CHECKING."""
+    reached = engine_closure(engine_modules_app_imports())
+    assert "higgs_engine.planning.plans" in reached  # the scan follows what app imports
+    bad = [
+        f"{mod} imports {m} (line {line})"
+        for mod in sorted(reached)
+        for line, m in imports_of(module_file(mod))  # type: ignore[arg-type]
+        if top(m) in TORCH_STACK
+    ]
+    assert bad == []
+
+
+def test_planning_imports_only_planning_and_pure_leaves() -> None:
+    def ok(m: str) -> bool:
+        if top(m) == "higgs_engine":
+            return m.startswith(APP_ENGINE_PREFIX) or m in PLANNING_MAY_IMPORT | {"higgs_engine"}
+        return top(m) not in TORCH_STACK
+
+    assert violations("higgs_engine/planning", ok) == []
+
+
+def test_closure_scan_flags_the_torch_part() -> None:
+    """The check above can fail: reaching the dynamic entry point (profiling, quantizing) is
+    reported, through modules that import torch only inside functions."""
+    reached = engine_closure({"higgs_engine.dynamic"})
+    torch_users = {
+        mod
+        for mod in reached
+        for _, m in imports_of(module_file(mod))  # type: ignore[arg-type]
+        if top(m) in TORCH_STACK
+    }
+    assert {"higgs_engine.dynamic", "higgs_engine.profile"} <= torch_users
 
 
 def test_import_scanner_sees_nested_imports(tmp_path: Path) -> None:

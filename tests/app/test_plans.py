@@ -13,9 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.plans.planner import avg_bits_floor, compute_plan
 from app.plans.profiles import find_profiles, store_profile
-from higgs_engine.allocator import KEEP_16, Option, build_problem, solve
-from higgs_engine.dynamic import KL_TO_PPL
-from higgs_engine.profile import Profile
+from higgs_engine.planning.allocator import KEEP_16, LayerSpec, Option, build_problem, solve
+from higgs_engine.planning.plans import KL_TO_PPL
+from higgs_engine.planning.profile import Profile
 from tests.fixtures import assert_problem
 
 SHA = "a" * 40
@@ -106,7 +106,7 @@ def test_plan_for_avg_bits(
     assert bits[-1] >= bits[0] and len(set(bits)) >= 2
     # The same answer as the engine's allocator on the same problem.
     prof = Profile.from_dict(profile_dict())
-    from higgs_engine.dynamic import layer_specs_from_profile
+    from higgs_engine.planning.plans import layer_specs_from_profile
 
     table = solve(build_problem(layer_specs_from_profile(prof)), None, 1e-4)
     ref = table.allocate(3.5)
@@ -197,7 +197,7 @@ def test_compute_plan_directly_and_the_up_front_floor() -> None:
     assert out["allocation"]["avg_bits"] <= 2.5
     # The up-front floor is a true lower bound: the model's exact floor is above it.
     prob = build_problem(
-        [__import__("higgs_engine.allocator").allocator.LayerSpec("a", 256, 512, 1.0)],
+        [LayerSpec("a", 256, 512, 1.0)],
         [Option(1, 2), Option(KEEP_16, 0)],
     )
     assert avg_bits_floor(256, 1) <= prob.min_avg_bits()

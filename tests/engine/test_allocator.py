@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from higgs_engine.allocator import (
+from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
+from higgs_engine.planning.allocator import (
     DPTable,
     LayerSpec,
     Option,
@@ -22,8 +23,7 @@ from higgs_engine.allocator import (
     layer_bits,
     solve,
 )
-from higgs_engine.config import SUPPORTED_GRIDS, HiggsConfig
-from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
+from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig
 
 # Per-coordinate MSEs close to the real grids', so instances look like real ones; the
 # allocator itself takes any non-negative numbers.

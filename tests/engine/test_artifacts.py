@@ -13,10 +13,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from higgs_engine.artifacts import find_model_dir, load_model, load_native, save_native
-from higgs_engine.config import HiggsConfig
 from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError
 from higgs_engine.modules import HiggsLinear
 from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix, rotated_weight
 
 KINDS = ["llama", "qwen2", "gemma2", "gpt2"]

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from higgs_engine.config import HiggsConfig
 from higgs_engine.device import resolve_device
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.grids import get_grid
@@ -23,6 +22,7 @@ from higgs_engine.nearest import (
     nearest_points_reference,
 )
 from higgs_engine.packing import unpack_codes
+from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix, quantize_matrix_full
 
 

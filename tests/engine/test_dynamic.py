@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from higgs_cli.main import main
-from higgs_engine.allocator import options_up_to
-from higgs_engine.config import HiggsConfig
-from higgs_engine.dynamic import (
+from higgs_engine.dynamic import run_dynamic
+from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
+from higgs_engine.planning.allocator import options_up_to
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.plans import (
     Target,
     build_table,
     config_with_allocation,
@@ -19,10 +21,8 @@ from higgs_engine.dynamic import (
     plan_allocation,
     ppl_increase_from,
     predict_change,
-    run_dynamic,
 )
-from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
-from higgs_engine.profile import LayerAlpha, Profile, ProfileConfig
+from higgs_engine.planning.profile import LayerAlpha, Profile, ProfileConfig
 from higgs_engine.report import Report
 from tests.fixtures import build_tiny_checkpoint
 
@@ -129,7 +129,7 @@ def test_predict_change_sums_alpha_times_measured_error() -> None:
 
 
 def test_config_with_allocation_keeps_other_overrides() -> None:
-    from higgs_engine.config import LayerOverride
+    from higgs_engine.planning.config import LayerOverride
 
     prof = fake_profile([("a", 64, 64), ("b", 64, 64)], [2.0, 0.5])
     base = HiggsConfig(overrides=(LayerOverride("z", 0, 0), LayerOverride("a", 1, 4)))

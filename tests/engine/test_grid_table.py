@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from higgs_engine import grid_table, grids, hadamard, layout
+from higgs_engine import grids, hadamard
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning import grid_table, layout
 
 
 def test_grid_table_matches_grids() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from higgs_engine.config import SUPPORTED_GRIDS
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.grid_build import build_grid, lloyd_max_1d, p1_mse
 from higgs_engine.grids import available_grids, get_grid, grid_mse
 from higgs_engine.nearest import nearest_points
+from higgs_engine.planning.config import SUPPORTED_GRIDS
 
 # Lloyd-Max (Max 1960) and the HIGGS paper's 2-D grids.
 P1_GOLDEN = {2: 0.3634, 4: 0.1175, 8: 0.03454, 16: 0.009497}

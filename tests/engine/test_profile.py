@@ -12,13 +12,8 @@ import torch
 
 from higgs_engine.dynamic import calibration_windows, get_profile, load_float_model
 from higgs_engine.errors import CancelledError, InvalidConfigError, ProfileNotFoundError
-from higgs_engine.profile import (
-    Profile,
-    ProfileConfig,
-    _Runner,
-    compute_profile,
-    fit_through_origin,
-)
+from higgs_engine.planning.profile import Profile, ProfileConfig
+from higgs_engine.profile import _Runner, compute_profile, fit_through_origin
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint
 
 CFG = ProfileConfig(context=32, windows=2)

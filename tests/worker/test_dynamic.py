@@ -22,7 +22,7 @@ from app.jobs import state
 from app.keys.service import create_key
 from app.main import create_app
 from app.settings import Settings
-from higgs_engine.dynamic import KL_TO_PPL
+from higgs_engine.planning.plans import KL_TO_PPL
 from higgs_engine.report import Report
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from higgs_engine.config import SUPPORTED_GRIDS, LayerOverride, check_grid, code_bits
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
-from higgs_engine.layout import block_layout
+from higgs_engine.planning.config import SUPPORTED_GRIDS, LayerOverride, check_grid, code_bits
+from higgs_engine.planning.layout import block_layout
 
 __all__ = [
     "Allocation",
@@ -236,7 +236,7 @@ def build_problem(
             raise InvalidConfigError("measured_mse must be finite and >= 0")
     else:
         if mse is None:
-            from higgs_engine.grid_table import grid_mse  # same figures, no torch
+            from higgs_engine.planning.grid_table import grid_mse  # same figures, no torch
 
             def mse(o: Option) -> float:
                 return grid_mse(o.p, o.n)

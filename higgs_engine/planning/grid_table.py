@@ -24,7 +24,7 @@ def grid_mse_table() -> dict[tuple[int, int], float]:
     """{(p, n): per-coordinate MSE} of every grid in higgs_engine/data/grids.safetensors."""
     from pathlib import Path
 
-    path = Path(__file__).with_name("data") / "grids.safetensors"
+    path = Path(__file__).parents[1] / "data" / "grids.safetensors"
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
