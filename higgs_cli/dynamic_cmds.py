@@ -326,9 +326,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     src = resolve_source(args.source, args.revision, args.token)
     names = quantizable_layers(src.path, cfg.skip)
-    from higgs_engine.planning.allocator import options_up_to
+    from higgs_engine.planning.options import option_menu
 
-    opts = options_up_to(args.max_code_bits)
+    opts = option_menu(max_code_bits=args.max_code_bits)
     plan = plan_allocation(prof, cfg, target, names=names, options=opts, pareto_step=args.step)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -390,39 +390,24 @@ def dynamic_quantize(
         raise CliError(
             "--bits / --n fix one grid for every layer; drop them with --avg-bits or --max-ppl-increase"
         )
-    from higgs_engine.checkpoint import quantizable_layers, resolve_source
-    from higgs_engine.dynamic import get_profile, quantize_with_allocation
-    from higgs_engine.planning.plans import plan_allocation
+    from higgs_engine.dynamic import profile_stores, run_dynamic
+    from higgs_engine.planning.options import option_menu
 
     if args.profile:
-        prof = _load_profile(args.profile)
+        how: dict[str, Any] = {"profile": _load_profile(args.profile)}
     else:
-        pcfg = _profile_config(args, "profile-")
         text = _read_text(args, "profile-")
         if text is None and calibration_text is not None:
             text = calibration_text  # profile and calibration share the user's text
-        prof = get_profile(
-            args.source,
-            pcfg,
-            text=text,
-            cache_dir=Path(args.profile_cache) if args.profile_cache else None,
-            skip=config.skip,
-            revision=args.revision,
-            token=args.token,
-            progress=progress,
-        )
-    src = resolve_source(args.source, args.revision, args.token)
-    names = quantizable_layers(src.path, config.skip)
-    from higgs_engine.planning.allocator import options_up_to
-
-    opts = options_up_to(args.max_code_bits)
-    plan = plan_allocation(prof, config, target, names=names, options=opts, progress=progress)
-    return quantize_with_allocation(
+        how = {"profile_config": _profile_config(args, "profile-"), "text": text}
+    result = run_dynamic(
         args.source,
         Path(args.out),
+        target,
         config,
-        prof,
-        plan,
+        **how,
+        stores=profile_stores(Path(args.profile_cache) if args.profile_cache else None),
+        menu=option_menu(max_code_bits=args.max_code_bits),
         progress=progress,
         revision=args.revision,
         token=args.token,
@@ -430,3 +415,4 @@ def dynamic_quantize(
         device=getattr(args, "device", None),
         calibration=calibration,
     )
+    return result.report

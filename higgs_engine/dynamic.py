@@ -1,22 +1,21 @@
-"""Dynamic HIGGS end to end: profile (cached) -> allocate for a target -> HiggsConfig overrides
--> quantize_checkpoint -> report with each layer's choice, alpha and the predicted change.
+"""Dynamic HIGGS end to end, the one entry point the CLI and the worker call:
 
-Targets:
-- avg_bits b: the allocator's primal, average bits over the allocated layers (codes, fp16
-  scales, grids and 16-bit layers all counted) at most b.
-- max_ppl_increase r: the dual, the smallest allocation whose predicted relative perplexity
-  increase is at most r. With a "ppl" profile the bound is r itself; with a "kl" profile it is
-  converted with ppl_ratio ~= exp(KL), i.e. a KL bound of log(1 + r) (ppl increase ~= exp(KL) - 1);
-  the report says which conversion was used.
+    profile     the model's sensitivity profile (alpha per layer): found in one of the caller's
+                stores (a cache directory, a file, the service's table), else measured here
+                (stage "profiling", resumable) and saved to every store
+    allocate    the exact allocator for the target over the option menu (stage "allocating";
+                higgs_engine.planning.plans, torch-free)
+    quantize    quantize_checkpoint with one override per layer; the report gets each layer's
+                choice and alpha, the predicted metric change and the conversion used
 
-A service runner calls `run_dynamic` (or the three steps `get_profile`, `plan_allocation`,
-`quantize_with_allocation`) with one progress callback; stages "profiling" and "allocating"
-come before the pipeline's own.
+`run_dynamic` does all three; `obtain_profile` / `get_profile` the first alone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +32,13 @@ from higgs_engine.planning.plans import (
 from higgs_engine.planning.profile import (
     Profile,
     ProfileConfig,
+    ProfileDirectory,
+    ProfileFile,
+    ProfileRequest,
+    ProfileStore,
     calibration_id,
-    profile_key,
+    find_profile,
+    resume_path,
     source_fingerprint,
 )
 from higgs_engine.profile import compute_profile
@@ -49,10 +53,12 @@ if TYPE_CHECKING:
 
 DEFAULT_PROFILE = ProfileConfig()
 DEFAULT_CONFIG = HiggsConfig()
+# A job needs the allocation, not the curve (POST /v1/plans and `higgs plan` draw that).
+_JOB_PARETO_STEP = 0.5
 
 
 # ---------------------------------------------------------------------------------------------
-# Profiles of a checkpoint, cached
+# Profiles of a checkpoint
 # ---------------------------------------------------------------------------------------------
 
 
@@ -94,8 +100,78 @@ def calibration_windows(
     return wins
 
 
-def profile_cache_path(cache_dir: Path, key: str) -> Path:
-    return Path(cache_dir) / f"profile-{key}.json"
+def profile_stores(cache_dir: Path | None = None, out: Path | None = None) -> list[ProfileStore]:
+    """The file stores of the CLI: `out` first (a profile there is used as it is), then the
+    cache directory (which also keeps a partial profile while it is measured)."""
+    stores: list[ProfileStore] = []
+    if out is not None:
+        stores.append(ProfileFile(Path(out)))
+    if cache_dir is not None:
+        stores.append(ProfileDirectory(Path(cache_dir)))
+    return stores
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    profile: Profile
+    reused: str | None  # the name of the store it came from; None when measured now
+    seconds: float
+
+
+def obtain_profile(
+    source: str | Path,
+    config: ProfileConfig = DEFAULT_PROFILE,
+    *,
+    text: str | None = None,
+    stores: Sequence[ProfileStore] = (),
+    skip: Sequence[str] = (),
+    revision: str | None = None,
+    token: str | None = None,
+    compute: bool = True,
+    progress: ProgressCallback | None = None,
+) -> ProfileResult:
+    """The profile of `source`'s quantizable layers (less `skip`) for `config` on `text`
+    (None = random tokens, data-free).
+
+    The first store holding one the request accepts wins; otherwise it is measured (resuming a
+    partial one kept by the stores) and saved to every store. compute=False raises
+    ProfileNotFoundError instead of measuring.
+    """
+    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+
+    t0 = time.perf_counter()
+    src = resolve_source(source, revision, token)
+    names = quantizable_layers(src.path, skip)
+    request = ProfileRequest(
+        model=src.id,
+        revision=src.revision or source_fingerprint(src.path),
+        calibration=calibration_id(text, config.seed),
+        config=config,
+        layers=tuple(names),
+    )
+    found = find_profile(stores, request)
+    if found is not None:
+        return ProfileResult(found[0], found[1].name, time.perf_counter() - t0)
+    if not compute:
+        raise ProfileNotFoundError(
+            f"no cached profile for {src.id!r} (key {request.key}); compute one first"
+        )
+    model, tok = load_float_model(src.path)
+    windows = calibration_windows(model, tok, text, config)
+    prof = compute_profile(
+        model,
+        names,
+        windows,
+        config,
+        model_id=request.model,
+        revision=request.revision,
+        calibration=request.calibration,
+        partial_path=resume_path(stores, request),
+        progress=progress,
+    )
+    for store in stores:
+        store.save(prof, request)
+    return ProfileResult(prof, None, time.perf_counter() - t0)
 
 
 def get_profile(
@@ -111,87 +187,30 @@ def get_profile(
     compute: bool = True,
     progress: ProgressCallback | None = None,
 ) -> Profile:
-    """The profile of `source` for `config` on `text` (None = random tokens, data-free).
-
-    Reused from `cache_dir` when a complete one with the same key is there; otherwise computed
-    (resuming a partial one) and written to the cache and to `out`. compute=False raises
-    ProfileNotFoundError instead of computing.
-    """
-    from higgs_engine.checkpoint import quantizable_layers, resolve_source
-
-    src = resolve_source(source, revision, token)
-    rev = src.revision or source_fingerprint(src.path)
-    calib = calibration_id(text, config.seed)
-    key = profile_key(src.id, rev, calib, config)
-    cached = profile_cache_path(cache_dir, key) if cache_dir is not None else None
-    for path in (cached, out):
-        if path is not None and path.is_file():
-            try:
-                prof = Profile.load(path)
-            except Exception:  # a broken file is recomputed, never trusted
-                continue
-            if prof.complete and prof.key() == key:
-                if out is not None and path != out:
-                    prof.save(out)
-                return prof
-    if not compute:
-        raise ProfileNotFoundError(
-            f"no cached profile for {src.id!r} (key {key}); compute one first"
-        )
-    names = quantizable_layers(src.path, skip)
-    model, tok = load_float_model(src.path)
-    windows = calibration_windows(model, tok, text, config)
-    partial = cached if cached is not None else out
-    prof = compute_profile(
-        model,
-        names,
-        windows,
-        config,
-        model_id=src.id,
-        revision=rev,
-        calibration=calib,
-        partial_path=partial,
-        progress=progress,
-    )
-    if out is not None and out != partial:
-        prof.save(out)
-    return prof
-
-
-def quantize_with_allocation(
-    source: str | Path,
-    out_dir: Path,
-    base: HiggsConfig,
-    profile: Profile,
-    plan: Plan,
-    *,
-    progress: ProgressCallback | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    overwrite: bool = False,
-    device: str | None = None,
-    calibration: Calibration | None = None,
-) -> Report:
-    """quantize_checkpoint with the plan's overrides; report.json gets alphas and predictions.
-    With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid)."""
-    from higgs_engine.pipeline import quantize_checkpoint
-
-    cfg = config_with_allocation(base, plan.allocation)
-    rep = quantize_checkpoint(
+    """obtain_profile with the CLI's file stores: `out` and the cache directory."""
+    return obtain_profile(
         source,
-        out_dir,
-        cfg,
-        progress,
+        config,
+        text=text,
+        stores=profile_stores(cache_dir, out),
+        skip=skip,
         revision=revision,
         token=token,
-        overwrite=overwrite,
-        device=device,
-        calibration=calibration,
-    )
-    annotate_report(rep, profile, plan.allocation)
-    rep.metrics["target"] = plan.target.to_dict() if plan.target else None
-    rep.save(Path(out_dir) / "report.json")
-    return rep
+        compute=compute,
+        progress=progress,
+    ).profile
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile -> plan -> quantize
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DynamicResult:
+    report: Report  # also written to out_dir/report.json
+    profile: ProfileResult
+    plan: Plan
 
 
 def run_dynamic(
@@ -203,42 +222,70 @@ def run_dynamic(
     profile: Profile | None = None,
     profile_config: ProfileConfig = DEFAULT_PROFILE,
     text: str | None = None,
-    cache_dir: Path | None = None,
-    options: Sequence[Option] | None = None,
+    stores: Sequence[ProfileStore] = (),
+    profile_skip: Sequence[str] | None = None,
+    menu: Sequence[Option] | None = None,
+    resolution: float = 1e-4,
     progress: ProgressCallback | None = None,
     revision: str | None = None,
     token: str | None = None,
     overwrite: bool = False,
     device: str | None = None,
-) -> Report:
-    """Profile (cached) -> allocate -> quantize -> annotated report. The service's entry point.
+    calibration: Calibration | None = None,
+) -> DynamicResult:
+    """Profile -> allocate -> quantize -> annotated report.
 
-    `options` is the allocator's menu (default: every shipped grid and 16-bit)."""
+    `profile` is used as given (no lookup); otherwise obtain_profile with `stores` (where
+    profiles are found and kept) measures the layers `base` quantizes, or those `profile_skip`
+    leaves (() = every layer, so that one profile serves every job). `menu` is the allocator's
+    option menu (default: planning.options.option_menu(), every shipped grid and 16-bit).
+    With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid).
+    """
     from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.pipeline import quantize_checkpoint
 
-    if profile is None:
-        profile = get_profile(
+    if profile is not None:
+        got = ProfileResult(profile, "given", 0.0)
+    else:
+        got = obtain_profile(
             source,
             profile_config,
             text=text,
-            cache_dir=cache_dir,
-            skip=base.skip,
+            stores=stores,
+            skip=base.skip if profile_skip is None else profile_skip,
             revision=revision,
             token=token,
             progress=progress,
         )
     src = resolve_source(source, revision, token)
     names = quantizable_layers(src.path, base.skip)
-    plan = plan_allocation(profile, base, target, names=names, options=options, progress=progress)
-    return quantize_with_allocation(
+    t1 = time.perf_counter()
+    plan = plan_allocation(
+        got.profile,
+        base,
+        target,
+        names=names,
+        options=menu,
+        resolution=resolution,
+        pareto_step=_JOB_PARETO_STEP,
+        progress=progress,
+    )
+    allocating_s = time.perf_counter() - t1
+    rep = quantize_checkpoint(
         source,
         out_dir,
-        base,
-        profile,
-        plan,
-        progress=progress,
+        config_with_allocation(base, plan.allocation),
+        progress,
         revision=revision,
         token=token,
         overwrite=overwrite,
         device=device,
+        calibration=calibration,
     )
+    annotate_report(rep, got.profile, plan.allocation)
+    rep.metrics["target"] = target.to_dict()
+    rep.timings["allocating"] = allocating_s
+    if got.reused is None:
+        rep.timings["profiling"] = got.seconds
+    rep.save(Path(out_dir) / "report.json")
+    return DynamicResult(rep, got, plan)

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_points_reference
 from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
+from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
 
 __all__ = [
     "QuantizedMatrix",

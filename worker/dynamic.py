@@ -1,35 +1,43 @@
-"""Dynamic HIGGS jobs in the worker: profile (or reuse it) -> allocate -> quantize.
+"""Dynamic HIGGS jobs in the worker: the engine's run_dynamic (profile -> allocate ->
+quantize) with the service's profile store and the job's option menu.
 
-    profiling   the model's sensitivity profile (alpha per layer), by the engine's
-                get_profile with the job's progress callback (done/total = layers), so the
-                job can be cancelled between layers; an interrupted profile resumes from the
-                engine's cache file. Skipped when the profiles table (or the engine's cache
-                directory) already has a complete profile for the same model revision,
-                metric, calibration data and token budget.
-    allocating  the exact DP allocator for the job's target (app.plans.planner's menu)
+    profiling   the model's sensitivity profile (alpha per layer), with the job's progress
+                callback (done/total = layers), so the job can be cancelled between layers; an
+                interrupted profile resumes from the engine's cache file. Skipped when the
+                profiles table (or the engine's cache directory) already has a complete profile
+                for the same model revision, metric, calibration data and token budget.
+    allocating  the exact DP allocator for the job's target over option_menu(options.p)
     quantizing  quantize_checkpoint with one override per layer (HiggsConfig.overrides)
 
 The report gets each layer's alpha and the predicted metric change from the layers' measured
-t^2 (higgs_engine.dynamic.annotate_report), including which KL -> perplexity conversion was
-used, and `metrics.service.profile` says whether the profile was computed or reused.
+t^2 (higgs_engine.planning.plans.annotate_report), including which KL -> perplexity conversion
+was used, and `metrics.service.profile` says whether the profile was computed or reused.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.plans.planner import DYNAMIC_TARGETS, grid_menu, menu_order
+from app.plans.planner import DYNAMIC_TARGETS
 from app.plans.profiles import find_profiles, profile_payload, store_profile
 from app.settings import Settings
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.planning.config import HiggsConfig
-from higgs_engine.planning.profile import Profile, ProfileConfig, calibration_id
+from higgs_engine.planning.options import option_menu
+from higgs_engine.planning.plans import Target, annotate_report
+from higgs_engine.planning.profile import (
+    Profile,
+    ProfileConfig,
+    ProfileDirectory,
+    ProfileRequest,
+    ProfileStore,
+    calibration_id,
+    source_fingerprint,
+)
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 from worker.models import ModelSource
@@ -89,84 +97,74 @@ def is_dynamic(config: dict[str, Any]) -> bool:
 
 def profile_revision(source: ModelSource) -> str:
     """What a profile is keyed by: the Hub commit sha, or a local checkpoint's fingerprint."""
-    from higgs_engine.planning.profile import source_fingerprint
-
     return source.revision or source_fingerprint(source.path)
 
 
-@dataclass(frozen=True)
-class ProfileResult:
-    profile: Profile
-    reused: str | None  # "database", "cache_dir" or None (computed by this job)
-    seconds: float
+class DatabaseProfiles:
+    """The profiles table as a profile store: rows for this job's model (by id and revision,
+    whatever path the model has on this worker), checked by the engine's request rule."""
 
+    name = "database"
 
-def _usable(
-    data: dict[str, Any] | None, wanted: ProfileConfig, layers: list[str]
-) -> Profile | None:
-    if data is None:
+    def __init__(
+        self, sessions: SessionFactory, source: ModelSource, requested_revision: str | None
+    ) -> None:
+        self.sessions = sessions
+        self.source = source
+        self.requested_revision = requested_revision
+        self.revision = profile_revision(source)
+
+    def find(self, request: ProfileRequest) -> Profile | None:
+        pc = request.config
+        with self.sessions() as s:
+            rows = find_profiles(
+                s,
+                self.source.id,
+                self.revision,
+                pc.metric,
+                calibration=request.calibration,
+                token_budget=pc.tokens,
+            )
+            payloads = [profile_payload(row) for row in rows]
+        for data in payloads:
+            if data is None:
+                continue
+            try:
+                prof = Profile.from_dict(data)
+            except (CorruptCheckpointError, TypeError, KeyError, ValueError):
+                continue
+            if request.accepts(prof):
+                return prof
         return None
-    try:
-        prof = Profile.from_dict(data)
-    except (CorruptCheckpointError, TypeError, KeyError, ValueError):
+
+    def save(self, profile: Profile, request: ProfileRequest) -> None:
+        with self.sessions() as s:
+            store_profile(
+                s,
+                model_id=self.source.id,
+                revision=self.revision,
+                profile=profile.to_dict(),
+                key=profile.key(),
+                source={
+                    "id": self.source.id,
+                    "kind": self.source.kind,
+                    "revision": self.source.revision,
+                    "requested_revision": self.requested_revision,
+                },
+            )
+
+    def resume_path(self, request: ProfileRequest) -> Path | None:
         return None
-    have = {la.name for la in prof.layers}
-    if not prof.complete or prof.config != wanted.to_dict() or not set(layers) <= have:
-        return None
-    return prof
 
 
-def obtain_profile(
+def profile_stores(
     sessions: SessionFactory,
     source: ModelSource,
     requested_revision: str | None,
     ps: ProfileSettings,
-    progress: ProgressCallback,
-) -> ProfileResult:
-    """The model's complete profile: from the profiles table, else from the engine's cache
-    directory, else measured now (stage "profiling"), then recorded in the table."""
-    from higgs_engine.checkpoint import quantizable_layers
-    from higgs_engine.dynamic import get_profile
-
-    t0 = time.perf_counter()
-    pc = ps.engine_config()
-    text = ps.text()
-    calib = calibration_id(text, pc.seed)
-    revision = profile_revision(source)
-    # Every quantizable layer, whatever the job skips: one profile serves every job.
-    layers = quantizable_layers(source.path, ())
-    with sessions() as s:
-        rows = find_profiles(
-            s, source.id, revision, pc.metric, calibration=calib, token_budget=pc.tokens
-        )
-        for row in rows:
-            prof = _usable(profile_payload(row), pc, layers)
-            if prof is not None:
-                return ProfileResult(prof, "database", time.perf_counter() - t0)
-
-    computed = [False]
-
-    def watch(stage: str, done: int, total: int) -> bool | None:
-        if stage == "profiling":
-            computed[0] = True
-        return progress(stage, done, total)
-
-    prof = get_profile(source.path, pc, text=text, cache_dir=ps.cache_dir, skip=(), progress=watch)
-    with sessions() as s:
-        store_profile(
-            s,
-            model_id=source.id,
-            revision=revision,
-            profile=prof.to_dict(),
-            key=prof.key(),
-            source={
-                "id": source.id,
-                "kind": source.kind,
-                "revision": source.revision,
-                "requested_revision": requested_revision,
-            },
-        )
-    return ProfileResult(prof, None if computed[0] else "cache_dir", time.perf_counter() - t0)
+) -> list[ProfileStore]:
+    """The table first, then the engine's cache directory (which keeps partial profiles)."""
+    return [DatabaseProfiles(sessions, source, requested_revision), ProfileDirectory(ps.cache_dir)]
 
 
 def quantize_dynamic(
@@ -179,74 +177,33 @@ def quantize_dynamic(
     menu_p: int | None,
     ps: ProfileSettings,
     progress: ProgressCallback,
-    quantize: Callable[[Path, Path, HiggsConfig, ProgressCallback], Report],
+    device: str | None = None,
 ) -> Report:
-    """Profile -> allocate -> quantize (by `quantize`, the runner's call of the pipeline) ->
-    the annotated report."""
-    from higgs_engine.checkpoint import quantizable_layers
-    from higgs_engine.planning.allocator import KEEP_16, Option
-    from higgs_engine.planning.plans import (
-        Target,
-        annotate_report,
-        config_with_allocation,
-        plan_allocation,
-        ppl_increase_from,
-    )
+    """run_dynamic for the job: every layer profiled (one profile serves every job of the
+    model), the job's menu, the service's stores; the report says where the profile came from."""
+    from higgs_engine.dynamic import run_dynamic
 
-    got = obtain_profile(sessions, source, requested_revision, ps, progress)
-    prof = got.profile
-    names = quantizable_layers(source.path, engine_cfg.skip)
-    options = menu_order([Option(q, n) for q, n in grid_menu(menu_p)] + [Option(KEEP_16, 0)])
-    t1 = time.perf_counter()
-    plan = plan_allocation(
-        prof,
-        engine_cfg,
+    result = run_dynamic(
+        source.path,
+        out,
         Target(**target),
-        names=names,
-        options=options,
+        engine_cfg,
+        profile_config=ps.engine_config(),
+        text=ps.text(),
+        stores=profile_stores(sessions, source, requested_revision, ps),
+        profile_skip=(),
+        menu=option_menu(menu_p),
         resolution=ps.resolution,
-        pareto_step=0.5,  # the job needs no curve; POST /v1/plans draws it
         progress=progress,
+        device=device,
     )
-    allocating_s = time.perf_counter() - t1
-    report = quantize(
-        source.path, out, config_with_allocation(engine_cfg, plan.allocation), progress
-    )
-    annotate_report(report, prof, plan.allocation)
-    alloc = report.metrics["allocation"]
-    alloc["predicted_ppl_increase"] = ppl_increase_from(prof.metric, plan.allocation.predicted)
-    report.metrics["target"] = dict(target)
+    report = result.report
     report.metrics.setdefault("service", {})["profile"] = {
-        "reused": got.reused,
-        "seconds": round(got.seconds, 4),
+        "reused": result.profile.reused,
+        "seconds": round(result.profile.seconds, 4),
         "revision": profile_revision(source),
     }
-    report.timings["allocating"] = allocating_s
-    if got.reused is None:
-        report.timings["profiling"] = got.seconds
     return report
-
-
-def cached_profile(
-    sessions: SessionFactory, source: ModelSource, ps: ProfileSettings
-) -> Profile | None:
-    """The complete profile the table holds for this model (no measuring), or None."""
-    pc = ps.engine_config()
-    calib = calibration_id(ps.text(), pc.seed)
-    with sessions() as s:
-        rows = find_profiles(
-            s,
-            source.id,
-            profile_revision(source),
-            pc.metric,
-            calibration=calib,
-            token_budget=pc.tokens,
-        )
-        for row in rows:
-            prof = _usable(profile_payload(row), pc, [])
-            if prof is not None:
-                return prof
-    return None
 
 
 def annotate_uniform(
@@ -254,8 +211,10 @@ def annotate_uniform(
 ) -> None:
     """A uniform job on a model with a cached profile also reports each layer's alpha and the
     predicted metric change from its measured t^2 (never measures a profile for it)."""
-    from higgs_engine.planning.plans import annotate_report
-
-    prof = cached_profile(sessions, source, ps)
+    pc = ps.engine_config()
+    request = ProfileRequest(
+        source.id, profile_revision(source), calibration_id(ps.text(), pc.seed), pc
+    )
+    prof = DatabaseProfiles(sessions, source, None).find(request)
     if prof is not None:
         annotate_report(report, prof)

@@ -40,8 +40,6 @@ from app.jobs import state
 from app.settings import Settings
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
 from higgs_engine.planning.config import HiggsConfig
-from higgs_engine.progress import ProgressCallback
-from higgs_engine.report import Report
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
 from worker.dynamic import ProfileSettings, annotate_uniform, is_dynamic, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
@@ -531,19 +529,16 @@ def _run_attempt(
     out = staging / "out"
     t0 = time.perf_counter()
 
-    def quantize(path: Path, dest: Path, qcfg: HiggsConfig, progress: ProgressCallback) -> Report:
-        return quantize_checkpoint(path, dest, qcfg, progress, device=cfg.device)
-
     if is_dynamic(config):
         if cfg.profiles is None:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
         menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
             sessions, source, requested, out, engine_cfg, dict(config["target"]), menu_p,
-            cfg.profiles, writer, quantize,
+            cfg.profiles, writer, device=cfg.device,
         )
     else:
-        report = quantize(source.path, out, engine_cfg, writer)
+        report = quantize_checkpoint(source.path, out, engine_cfg, writer, device=cfg.device)
         if cfg.profiles is not None:
             annotate_uniform(sessions, source, cfg.profiles, report)
     engine_s = time.perf_counter() - t0

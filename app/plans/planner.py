@@ -1,10 +1,10 @@
-"""Dynamic HIGGS rules shared by the API and the worker: the option menu, up-front checks of
-the avg_bits / max_ppl_increase targets, and plans computed from a cached profile.
+"""Dynamic HIGGS rules of the API: up-front checks of the avg_bits / max_ppl_increase targets,
+and plans computed from a cached profile.
 
-Pure Python up to `compute_plan`, which runs the engine's allocator (numpy, no torch:
-higgs_engine.planning.allocator / dynamic / profile / grid_table import no torch, checked by
-tests/app/test_import_rules.py). The worker builds its allocation with the same menu, base
-config and resolution, so a plan shows exactly what a job with that target would get.
+Pure Python up to `compute_plan`, which runs the engine's allocator (higgs_engine.planning:
+numpy, never torch, checked by tests/app/test_import_rules.py). The worker's jobs allocate
+with the same menu (higgs_engine.planning.options.option_menu), base config and resolution, so
+a plan shows exactly what a job with that target would get.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from app.errors import ValidationFailedError
 from higgs_engine.errors import InfeasibleTargetError
 from higgs_engine.planning.config import SUPPORTED_GRIDS, code_bits
+from higgs_engine.planning.options import option_menu
 
 DYNAMIC_TARGETS = ("avg_bits", "max_ppl_increase")
 # Every layer in 16 bits: a budget at or above it buys nothing more.
@@ -22,18 +23,11 @@ AVG_BITS_CEILING = 16.0
 _SCALE_BITS = 16  # one fp16 scale per group
 
 
-def grid_menu(p: int | None = None) -> list[tuple[int, int]]:
-    """(p, n) of every grid the allocator may give a layer (restricted to one p if given);
-    "keep 16-bit" is always on the menu besides."""
-    ps = [p] if p is not None else sorted(SUPPORTED_GRIDS)
-    return [(q, n) for q in ps for n in SUPPORTED_GRIDS[q]]
-
-
 def avg_bits_floor(group_size: int, p: int | None = None) -> float:
     """A lower bound on any feasible avg_bits: the cheapest grid's code bits plus one fp16
     scale per group. (The exact floor depends on the model's shapes and the grids' storage;
     the worker's allocator checks it and fails the job with infeasible_target below it.)"""
-    cheapest = min(code_bits(q, n) for q, n in grid_menu(p))
+    cheapest = min(code_bits(o.p, o.n) for o in option_menu(p) if not o.keep)
     return cheapest + _SCALE_BITS / group_size
 
 
@@ -101,21 +95,19 @@ def compute_plan(
 
     Raises ValidationFailedError naming target.<kind> when the target is infeasible for this
     model, HiggsError when the profile cannot be used."""
-    from higgs_engine.planning.allocator import KEEP_16, Option
     from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.planning.plans import Target, plan_allocation
     from higgs_engine.planning.profile import Profile
 
     profile = Profile.from_dict(profile_data)
     base = HiggsConfig(group_size=group_size, rotation_block=rotation_block, dtype=dtype)
-    options = [Option(q, n) for q, n in grid_menu(p)] + [Option(KEEP_16, 0)]
     eng_target = Target(**target) if target else None
     try:
         plan = plan_allocation(
             profile,
             base,
             eng_target,
-            options=menu_order(options),
+            options=option_menu(p),
             resolution=resolution,
             pareto_step=pareto_step,
         )
@@ -128,21 +120,10 @@ def compute_plan(
     return out
 
 
-def menu_order(options: list[Any]) -> list[Any]:
-    """The allocator's menu order (cheapest code bits first, p=2 first at equal bits, 16-bit
-    last), which decides ties: the API and the worker must use the same order."""
-    from higgs_engine.planning.allocator import default_options
-
-    rank = {o: i for i, o in enumerate(default_options())}
-    return sorted(options, key=lambda o: rank[o])
-
-
 __all__ = [
     "AVG_BITS_CEILING",
     "DYNAMIC_TARGETS",
     "avg_bits_floor",
     "check_dynamic_target",
     "compute_plan",
-    "grid_menu",
-    "menu_order",
 ]

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
-from higgs_engine.planning.config import SUPPORTED_GRIDS, LayerOverride, check_grid, code_bits
+from higgs_engine.planning.config import LayerOverride
 from higgs_engine.planning.layout import block_layout
+from higgs_engine.planning.options import KEEP_16, Option, default_options, option_menu
 
 __all__ = [
+    "KEEP_16",
     "Allocation",
     "DPTable",
     "LayerSpec",
@@ -43,55 +45,13 @@ __all__ = [
     "build_problem",
     "default_options",
     "layer_bits",
-    "options_up_to",
+    "option_menu",
     "solve",
 ]
 
-KEEP_16 = 0  # Option.p for "keep the layer in 16 bits"
 _GRID_COORD_BITS = 32  # the native artifact stores each grid once, in float32
 _NEVER = 2**62  # cost units of an option a layer may not use
 _FP16_BITS = 16
-
-
-@dataclass(frozen=True, order=True)
-class Option:
-    """One choice for a layer: a grid (p, n), or p=0 for keeping the layer in 16 bits."""
-
-    p: int
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.p != KEEP_16:
-            check_grid(self.p, self.n)
-
-    @property
-    def keep(self) -> bool:
-        return self.p == KEEP_16
-
-    @property
-    def label(self) -> str:
-        return "fp16" if self.keep else f"p{self.p}n{self.n}"
-
-
-def default_options() -> tuple[Option, ...]:
-    """Every grid the engine ships, plus "keep 16-bit", cheapest code bits first."""
-    grids = [Option(p, n) for p, ns in SUPPORTED_GRIDS.items() for n in ns]
-    # Sorted by code bits, then p=2 first (lower MSE at equal bits), so ties in the DP go to it.
-    grids.sort(key=lambda o: (code_bits(o.p, o.n), -o.p, o.n))
-    return (*grids, Option(KEEP_16, 0))
-
-
-def options_up_to(max_code_bits: float | None) -> tuple[Option, ...]:
-    """The default menu without grids above `max_code_bits` code bits (None: every grid)."""
-    if max_code_bits is None:
-        return default_options()
-    if not math.isfinite(max_code_bits) or max_code_bits < 1:
-        raise InvalidConfigError(
-            f"max_code_bits={max_code_bits} must be at least 1 (the smallest grid)"
-        )
-    return tuple(
-        o for o in default_options() if o.keep or code_bits(o.p, o.n) <= max_code_bits + 1e-9
-    )
 
 
 def layer_bits(

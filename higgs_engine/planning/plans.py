@@ -38,6 +38,7 @@ from higgs_engine.report import Report
 
 KL_TO_PPL = "ppl_increase = exp(KL) - 1 (perplexity ratio ~= exp of the KL from the base model)"
 
+
 @dataclass(frozen=True)
 class Target:
     """Exactly one of avg_bits / max_ppl_increase."""
@@ -132,6 +133,7 @@ def annotate_report(rep: Report, profile: Profile, allocation: Allocation | None
         metrics["allocation"] = {
             "avg_bits": allocation.avg_bits,
             f"predicted_{profile.metric}_grid_mse": allocation.predicted,
+            "predicted_ppl_increase": ppl_increase_from(profile.metric, allocation.predicted),
             "histogram": allocation.histogram(),
             "layers": {
                 n: o.label for n, o in zip(allocation.names, allocation.options, strict=True)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError, ProfileNotFoundError
 
@@ -178,3 +179,127 @@ def source_fingerprint(path: Path) -> str:
                 fh.seek(size * k // 16)
                 h.update(fh.read(1 << 16))
     return "local:" + h.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Where profiles are found and kept
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """The profile a caller wants: the model as measured (id and revision or fingerprint), the
+    calibration data, how it is measured, and the layers it must cover."""
+
+    model: str
+    revision: str | None
+    calibration: str  # calibration_id(text, seed)
+    config: ProfileConfig
+    layers: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return profile_key(self.model, self.revision, self.calibration, self.config)
+
+    def accepts(self, profile: Profile) -> bool:
+        """The one rule for reusing a stored profile: complete, measured the same way on the
+        same calibration data, and covering every wanted layer."""
+        have = {la.name for la in profile.layers}
+        return (
+            profile.complete
+            and profile.config == self.config.to_dict()
+            and profile.calibration == self.calibration
+            and set(self.layers) <= have
+        )
+
+
+class ProfileStore(Protocol):
+    """Somewhere complete profiles are kept: a directory, a file, the service's table.
+
+    `find` returns a profile the request accepts, or None (a broken entry is None, never an
+    error: it is measured again). `save` records a profile measured for the request.
+    `resume_path` is a file where a partial profile may be kept while it is measured (None:
+    this store keeps complete profiles only)."""
+
+    @property
+    def name(self) -> str:
+        """Reported as where a reused profile came from."""
+        ...
+
+    def find(self, request: ProfileRequest) -> Profile | None: ...
+
+    def save(self, profile: Profile, request: ProfileRequest) -> None: ...
+
+    def resume_path(self, request: ProfileRequest) -> Path | None: ...
+
+
+def read_profile_file(path: Path, request: ProfileRequest) -> Profile | None:
+    """The profile in `path` if the request accepts it and it was measured for the same
+    model revision (its key matches), else None."""
+    if not path.is_file():
+        return None
+    try:
+        prof = Profile.load(path)
+    except Exception:  # a broken file is recomputed, never trusted
+        return None
+    return prof if request.accepts(prof) and prof.key() == request.key else None
+
+
+@dataclass(frozen=True)
+class ProfileFile:
+    """One profile file (`higgs profile --out`)."""
+
+    path: Path
+    name: str = "file"
+
+    def find(self, request: ProfileRequest) -> Profile | None:
+        return read_profile_file(self.path, request)
+
+    def save(self, profile: Profile, request: ProfileRequest) -> None:
+        profile.save(self.path)
+
+    def resume_path(self, request: ProfileRequest) -> Path | None:
+        return self.path
+
+
+@dataclass(frozen=True)
+class ProfileDirectory:
+    """A cache directory of profiles, one file per key."""
+
+    root: Path
+    name: str = "cache_dir"
+
+    def path(self, request: ProfileRequest) -> Path:
+        return Path(self.root) / f"profile-{request.key}.json"
+
+    def find(self, request: ProfileRequest) -> Profile | None:
+        return read_profile_file(self.path(request), request)
+
+    def save(self, profile: Profile, request: ProfileRequest) -> None:
+        profile.save(self.path(request))
+
+    def resume_path(self, request: ProfileRequest) -> Path | None:
+        return self.path(request)
+
+
+def find_profile(
+    stores: Sequence[ProfileStore], request: ProfileRequest
+) -> tuple[Profile, ProfileStore] | None:
+    """The first profile a store holds for the request, and that store. Stores searched
+    before it (which lacked it) get a copy."""
+    for i, store in enumerate(stores):
+        prof = store.find(request)
+        if prof is not None:
+            for earlier in stores[:i]:
+                earlier.save(prof, request)
+            return prof, store
+    return None
+
+
+def resume_path(stores: Sequence[ProfileStore], request: ProfileRequest) -> Path | None:
+    """Where a profile being measured is kept between layers: the last store offering a file."""
+    for store in reversed(stores):
+        path = store.resume_path(request)
+        if path is not None:
+            return path
+    return None

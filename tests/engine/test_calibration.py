@@ -19,10 +19,10 @@ from higgs_engine.calibration import (
     run_calibrated,
 )
 from higgs_engine.checkpoint import CheckpointReader, LayerSpec, layer_specs, load_config
-from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.errors import CancelledError, InvalidConfigError
 from higgs_engine.gptq import HessianAccumulator
 from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix
 
 KINDS = ["llama", "qwen2", "gemma2", "gpt2"]

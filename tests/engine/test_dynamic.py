@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from higgs_cli.main import main
 from higgs_engine.dynamic import run_dynamic
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
-from higgs_engine.planning.allocator import options_up_to
 from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.options import option_menu
 from higgs_engine.planning.plans import (
     Target,
     build_table,
@@ -151,7 +153,7 @@ def test_run_dynamic_writes_allocation_alphas_and_prediction(
         HiggsConfig(),
         profile=prof,
         # small grids only: their nearest-point tables build fast
-        options=options_up_to(3.0),
+        menu=option_menu(max_code_bits=3.0),
         progress=lambda s, d, t: stages.append(s),
     )
     assert stages.index("allocating") < stages.index("quantizing")
@@ -168,3 +170,48 @@ def test_run_dynamic_writes_allocation_alphas_and_prediction(
     assert saved.metrics["predicted_kl"] == pytest.approx(expected)
     assert saved.metrics["conversion"].startswith("ppl_increase = exp(KL)")
     assert len({row.bits for row in saved.layers}) > 1  # really dynamic
+
+
+def _stored_profile(layers: list[str], *, complete: bool = True) -> tuple[Profile, Any]:
+    from higgs_engine.planning.profile import ProfileRequest
+
+    cfg = ProfileConfig(context=8, windows=1)
+    prof = Profile(
+        model="m",
+        revision="r",
+        calibration="random:0",
+        config=cfg.to_dict(),
+        layers=[LayerAlpha(n, [4, 8], 1.0) for n in layers],
+        base={},
+        cost={},
+        complete=complete,
+    )
+    return prof, ProfileRequest("m", "r", "random:0", cfg, ("a", "b"))
+
+
+def test_profile_request_accepts_only_complete_matching_covering_profiles() -> None:
+    prof, req = _stored_profile(["a", "b", "c"])
+    assert req.accepts(prof)
+    assert not req.accepts(_stored_profile(["a", "b"], complete=False)[0])
+    assert not req.accepts(_stored_profile(["a"])[0])  # layer b missing
+    other = dataclasses.replace(req, config=ProfileConfig(context=8, windows=2))
+    assert not other.accepts(prof)
+    assert not dataclasses.replace(req, calibration="random:1").accepts(prof)
+
+
+def test_find_profile_takes_the_first_store_and_copies_it_to_earlier_ones(tmp_path: Path) -> None:
+    from higgs_engine.planning.profile import ProfileDirectory, ProfileFile, find_profile
+
+    prof, req = _stored_profile(["a", "b"])
+    out, cache = ProfileFile(tmp_path / "out.json"), ProfileDirectory(tmp_path / "cache")
+    assert find_profile([out, cache], req) is None
+    cache.save(prof, req)
+    found = find_profile([out, cache], req)
+    assert found is not None and found[1] is cache and found[0].to_dict() == prof.to_dict()
+    assert out.find(req) is not None  # the store searched first got a copy
+    (tmp_path / "out.json").write_text("{not json")  # a broken entry is no profile
+    assert out.find(req) is None
+    # a profile of another model revision in the same file is not reused
+    assert ProfileFile(tmp_path / "x.json").find(req) is None
+    cache.save(prof, req)
+    assert cache.find(dataclasses.replace(req, revision="other")) is None

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate
+from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.quantize import (
     SCALE_RULES,
     QuantizedMatrix,
