@@ -57,11 +57,15 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".ini", ".cfg", ".sh", 
 
 def repository_text_files() -> list[Path]:
     """Source and documentation files of the checkout (no git needed), without environments,
-    data, caches or benchmark outputs."""
+    data, caches, build metadata (*.egg-info, written by an editable install) or benchmark
+    outputs."""
     out = []
     for path in sorted(ROOT.rglob("*")):
         rel = path.relative_to(ROOT)
-        if any(part in SKIP_DIRS or part.startswith(".pytest") for part in rel.parts[:-1]):
+        if any(
+            part in SKIP_DIRS or part.startswith(".pytest") or part.endswith(".egg-info")
+            for part in rel.parts[:-1]
+        ):
             continue
         if rel.parts[0] == "benchmarks" and "results" in rel.parts:
             continue
