@@ -10,9 +10,16 @@ class HiggsError(Exception):
 
 
 class InvalidConfigError(HiggsError, ValueError):
-    """A quantization option is out of range or inconsistent (bits, p, n, group size...)."""
+    """A quantization option is out of range or inconsistent (bits, p, n, group size...).
+
+    `field` names the option it is about (a HiggsConfig field such as "p" or "group_size",
+    "bits" for a bit budget), or None when no single option is to blame."""
 
     code = "invalid_config"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelNotFoundError(HiggsError, FileNotFoundError):

@@ -26,9 +26,9 @@ from app.errors import (
 )
 from app.jobs import repository, state
 from app.jobs.model_ref import ModelRefError, resolve_model
-from app.jobs.schemas import JobCreate, JobOut
+from app.jobs.schemas import JobCreate, JobOut, Options
 from app.keys.service import AuthKey
-from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target
+from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
@@ -36,7 +36,6 @@ from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsC
 
 JOB_CONFIG_VERSION = 1
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
-_CONFIG_FIELD = re.compile(r"^(\w+)=")
 _DYNAMIC = DYNAMIC_TARGETS
 
 
@@ -59,24 +58,13 @@ class JobSpec:
     webhook_url: str | None = None
 
 
-def config_error_field(message: str, target_kind: str) -> str:
-    """The request field an engine InvalidConfigError message is about."""
-    m = _CONFIG_FIELD.match(message)
-    name = m.group(1) if m else ""
-    if name == "bits":
+def config_error_field(error: InvalidConfigError, target_kind: str) -> str:
+    """The request field an engine InvalidConfigError is about (its `field`): a bit budget is
+    the target, an option of the request is that option, anything else the options."""
+    if error.field == "bits":
         return f"target.{target_kind}"
-    if name in {
-        "p",
-        "n",
-        "group_size",
-        "rotation_block",
-        "formats",
-        "dtype",
-        "skip",
-        "sign_seed",
-        "seed",
-    }:
-        return f"options.{name}"
+    if error.field in Options.model_fields:
+        return f"options.{error.field}"
     return "options"
 
 
@@ -105,12 +93,7 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
         "sign_seed": opts.sign_seed,
         "seed": opts.seed,
     }
-    # Checked here too because HiggsConfig.from_bits(p=3) fails with a bare ValueError.
-    if opts.p is not None and opts.p not in SUPPORTED_GRIDS:
-        raise ValidationFailedError.field(
-            "options.p",
-            f"options.p={opts.p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}",
-        )
+    check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
     all_sizes = sorted({n for ns in SUPPORTED_GRIDS.values() for n in ns})
     if opts.n is not None and opts.n not in (sizes or all_sizes):
@@ -128,7 +111,7 @@ def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
             }
             cfg = HiggsConfig(**grid, **common)
     except InvalidConfigError as e:
-        raise ValidationFailedError.field(config_error_field(str(e), kind), str(e)) from e
+        raise ValidationFailedError.field(config_error_field(e, kind), str(e)) from e
     if kind in _DYNAMIC:
         check_dynamic_target(
             kind,

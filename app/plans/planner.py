@@ -31,17 +31,22 @@ def avg_bits_floor(group_size: int, p: int | None = None) -> float:
     return cheapest + _SCALE_BITS / group_size
 
 
-def check_dynamic_target(
-    kind: str, value: float, *, group_size: int, p: int | None, n: int | None, ppl_limit: float
-) -> None:
-    """ValidationFailedError (422 naming the field) unless the target can be planned."""
-    field = f"target.{kind}"
-    if not math.isfinite(value):
-        raise ValidationFailedError.field(field, f"{field}={value} must be a finite number")
+def check_grid_dim(p: int | None) -> None:
+    """options.p of a job or a plan: the one check (422 naming options.p)."""
     if p is not None and p not in SUPPORTED_GRIDS:
         raise ValidationFailedError.field(
             "options.p", f"options.p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}"
         )
+
+
+def check_dynamic_target(
+    kind: str, value: float, *, group_size: int, p: int | None, n: int | None, ppl_limit: float
+) -> None:
+    """ValidationFailedError (422 naming the field) unless the target can be planned (`p` is
+    checked by check_grid_dim first)."""
+    field = f"target.{kind}"
+    if not math.isfinite(value):
+        raise ValidationFailedError.field(field, f"{field}={value} must be a finite number")
     if group_size < 1:
         raise ValidationFailedError.field(
             "options.group_size", f"options.group_size={group_size} must be positive"
@@ -125,5 +130,6 @@ __all__ = [
     "DYNAMIC_TARGETS",
     "avg_bits_floor",
     "check_dynamic_target",
+    "check_grid_dim",
     "compute_plan",
 ]

@@ -13,11 +13,11 @@ from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.model_ref import ModelRefError, resolve_model
 from app.jobs.schemas import GridDim, ModelRef, Strict, Target
 from app.jobs.service import config_error_field
-from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, compute_plan
+from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
 from app.settings import Settings
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.planning.config import HiggsConfig
 
 
 class PlanOptions(Strict):
@@ -59,11 +59,7 @@ def find_profile(
 
 def _check(req: PlanCreate, settings: Settings) -> None:
     opts = req.options
-    if opts.p is not None and opts.p not in SUPPORTED_GRIDS:
-        raise ValidationFailedError.field(
-            "options.p",
-            f"options.p={opts.p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}",
-        )
+    check_grid_dim(opts.p)
     # The same rules as a job's options (HiggsConfig), so a plan and a job refuse alike.
     try:
         HiggsConfig(
@@ -74,7 +70,7 @@ def _check(req: PlanCreate, settings: Settings) -> None:
         )
     except InvalidConfigError as e:
         kind = req.target.kind if req.target is not None else "avg_bits"
-        raise ValidationFailedError.field(config_error_field(str(e), kind), str(e)) from e
+        raise ValidationFailedError.field(config_error_field(e, kind), str(e)) from e
     t = req.target
     if t is None:
         return

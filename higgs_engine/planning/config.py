@@ -28,10 +28,11 @@ def code_bits(p: int, n: int) -> float:
 
 def check_grid(p: int, n: int) -> None:
     if p not in SUPPORTED_GRIDS:
-        raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}")
+        raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p")
     if n not in SUPPORTED_GRIDS[p]:
         raise InvalidConfigError(
-            f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}"
+            f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}",
+            field="n",
         )
 
 
@@ -79,27 +80,30 @@ class HiggsConfig:
         check_grid(self.p, self.n)
         if not _power_of_two(self.rotation_block) or not 64 <= self.rotation_block <= 4096:
             raise InvalidConfigError(
-                f"rotation_block={self.rotation_block} must be a power of two in 64..4096"
+                f"rotation_block={self.rotation_block} must be a power of two in 64..4096",
+                field="rotation_block",
             )
         if self.group_size < self.p or self.group_size % self.p or self.group_size > 4096:
             raise InvalidConfigError(
-                f"group_size={self.group_size} must be a multiple of p={self.p} and at most 4096"
+                f"group_size={self.group_size} must be a multiple of p={self.p} and at most 4096",
+                field="group_size",
             )
         if not _power_of_two(self.group_size):
-            raise InvalidConfigError(f"group_size={self.group_size} must be a power of two")
+            raise InvalidConfigError(f"group_size={self.group_size} must be a power of two", field="group_size")
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
-            raise InvalidConfigError(f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}")
+            raise InvalidConfigError(f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}", field="formats")
         if self.scale_rule not in SCALE_RULES:
             raise InvalidConfigError(
-                f"scale_rule={self.scale_rule!r} must be one of {list(SCALE_RULES)}"
+                f"scale_rule={self.scale_rule!r} must be one of {list(SCALE_RULES)}",
+                field="scale_rule",
             )
         if self.sign_seed is not None and not 0 <= self.sign_seed < 2**63:
-            raise InvalidConfigError(f"sign_seed={self.sign_seed} must be in 0..2^63-1 or None")
+            raise InvalidConfigError(f"sign_seed={self.sign_seed} must be in 0..2^63-1 or None", field="sign_seed")
         if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise InvalidConfigError(f"dtype={self.dtype!r} must be float16, bfloat16 or float32")
+            raise InvalidConfigError(f"dtype={self.dtype!r} must be float16, bfloat16 or float32", field="dtype")
         if self.version != CONFIG_VERSION:
-            raise InvalidConfigError(f"config version {self.version} is not {CONFIG_VERSION}")
+            raise InvalidConfigError(f"config version {self.version} is not {CONFIG_VERSION}", field="version")
 
     @property
     def code_bits(self) -> float:
@@ -114,14 +118,14 @@ class HiggsConfig:
         if p is not None and n is not None:
             cfg = cls(p=p, n=n, **kw)
             if cfg.code_bits > bits + 1e-9:
-                raise InvalidConfigError(f"p={p}, n={n} has {cfg.code_bits:g} code bits, above bits={bits:g}")
+                raise InvalidConfigError(f"p={p}, n={n} has {cfg.code_bits:g} code bits, above bits={bits:g}", field="p")
             return cfg
         if not math.isfinite(bits) or bits <= 0:
-            raise InvalidConfigError(f"bits={bits} must be a positive number")
+            raise InvalidConfigError(f"bits={bits} must be a positive number", field="bits")
         if p is not None and p not in SUPPORTED_GRIDS:
-            raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}")
+            raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p")
         if n is not None and not any(n in ns for pp, ns in SUPPORTED_GRIDS.items() if p in (None, pp)):
-            raise InvalidConfigError(f"n={n} is not a supported grid size" + (f" for p={p}" if p else ""))
+            raise InvalidConfigError(f"n={n} is not a supported grid size" + (f" for p={p}" if p else ""), field="n")
         cands = []
         for pp, ns in SUPPORTED_GRIDS.items():
             if p is not None and pp != p:
@@ -138,7 +142,8 @@ class HiggsConfig:
                 f"bits={bits:g} is below the smallest supported grid ({lo:g} code bits"
                 + (f" with p={p}" if p is not None else "")
                 + (f" and n={n}" if n is not None else "")
-                + ")"
+                + ")",
+                field="bits",
             )
         _, _, pp, nn = max(cands)
         return cls(p=pp, n=nn, **kw)

@@ -50,10 +50,13 @@ def option_menu(p: int | None = None, max_code_bits: float | None = None) -> tup
     most `max_code_bits` code bits, when given) plus "keep 16-bit", in default_options' order,
     which decides ties. The one menu the CLI, the API's plans and the worker's jobs use."""
     if p is not None and p not in SUPPORTED_GRIDS:
-        raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}")
+        raise InvalidConfigError(
+            f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p"
+        )
     if max_code_bits is not None and (not math.isfinite(max_code_bits) or max_code_bits < 1):
         raise InvalidConfigError(
-            f"max_code_bits={max_code_bits} must be at least 1 (the smallest grid)"
+            f"max_code_bits={max_code_bits} must be at least 1 (the smallest grid)",
+            field="max_code_bits",
         )
     return tuple(
         o

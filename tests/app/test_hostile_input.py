@@ -13,7 +13,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import Job
+from app.jobs.service import config_error_field
 from app.settings import Settings
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning.config import HiggsConfig
 from tests.fixtures import assert_problem
 
 GRID = {"p": 2, "n": 256}
@@ -135,3 +138,24 @@ def test_valid_strict_requests_still_pass(client: TestClient, auth: dict[str, st
         headers=auth,
     )
     assert r.status_code == 202, r.text
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "request_field"),
+    [
+        (lambda: HiggsConfig(group_size=3), "group_size", "options.group_size"),
+        (lambda: HiggsConfig(rotation_block=100), "rotation_block", "options.rotation_block"),
+        (lambda: HiggsConfig(dtype="int8"), "dtype", "options.dtype"),
+        (lambda: HiggsConfig(p=2, n=3), "n", "options.n"),
+        (lambda: HiggsConfig.from_bits(0.5), "bits", "target.bits"),
+        (lambda: HiggsConfig.from_dict({"bogus": 1}), None, "options"),
+    ],
+)
+def test_engine_config_errors_carry_their_field(
+    make: Any, field: str | None, request_field: str
+) -> None:
+    """The API names the field from the error's `field`, not from its message."""
+    with pytest.raises(InvalidConfigError) as info:
+        make()
+    assert info.value.field == field
+    assert config_error_field(info.value, "bits") == request_field
