@@ -78,7 +78,7 @@ def retry_db(
                 )
             if waited + delay > budget_s:
                 raise DatabaseUnavailableError(what, waited, exc) from exc
-            sleep(delay * random.uniform(0.8, 1.2))
+            sleep(min(delay * random.uniform(0.8, 1.2), budget_s - waited))
             delay = min(MAX_DELAY_S, delay * 2)
             continue
         if failures:

@@ -40,6 +40,7 @@ from higgs_engine.planning.profile import (
 )
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
+from worker.dbretry import retry_db
 from worker.models import ModelSource
 
 SessionFactory = sessionmaker[Session]
@@ -57,6 +58,8 @@ class ProfileSettings:
     seed: int = 0
     text_file: Path | None = None
     resolution: float = 1e-4
+    # How long a profile lookup or store is retried through a database outage.
+    db_retry_s: float = 300.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ProfileSettings:
@@ -69,6 +72,7 @@ class ProfileSettings:
             seed=settings.profile_seed,
             text_file=settings.profile_text_file,
             resolution=settings.plan_resolution,
+            db_retry_s=settings.worker_db_retry_s,
         )
 
     def engine_config(self) -> ProfileConfig:
@@ -107,25 +111,35 @@ class DatabaseProfiles:
     name = "database"
 
     def __init__(
-        self, sessions: SessionFactory, source: ModelSource, requested_revision: str | None
+        self,
+        sessions: SessionFactory,
+        source: ModelSource,
+        requested_revision: str | None,
+        db_retry_s: float = 300.0,
     ) -> None:
         self.sessions = sessions
+        # Lookups and stores are retried through a database outage like the runner's writes.
+        self.db_retry_s = db_retry_s
         self.source = source
         self.requested_revision = requested_revision
         self.revision = profile_revision(source)
 
     def find(self, request: ProfileRequest) -> Profile | None:
         pc = request.config
-        with self.sessions() as s:
-            rows = find_profiles(
-                s,
-                self.source.id,
-                self.revision,
-                pc.metric,
-                calibration=request.calibration,
-                token_budget=pc.tokens,
-            )
-            payloads = [profile_payload(row) for row in rows]
+
+        def lookup() -> list[dict[str, Any] | None]:
+            with self.sessions() as s:
+                rows = find_profiles(
+                    s,
+                    self.source.id,
+                    self.revision,
+                    pc.metric,
+                    calibration=request.calibration,
+                    token_budget=pc.tokens,
+                )
+                return [profile_payload(row) for row in rows]
+
+        payloads = retry_db(lookup, f"profile lookup of {self.source.id!r}", self.db_retry_s)
         for data in payloads:
             if data is None:
                 continue
@@ -138,20 +152,23 @@ class DatabaseProfiles:
         return None
 
     def save(self, profile: Profile, request: ProfileRequest) -> None:
-        with self.sessions() as s:
-            store_profile(
-                s,
-                model_id=self.source.id,
-                revision=self.revision,
-                profile=profile.to_dict(),
-                key=profile.key(),
-                source={
-                    "id": self.source.id,
-                    "kind": self.source.kind,
-                    "revision": self.source.revision,
-                    "requested_revision": self.requested_revision,
-                },
-            )
+        def store() -> None:  # an upsert: safe to retry
+            with self.sessions() as s:
+                store_profile(
+                    s,
+                    model_id=self.source.id,
+                    revision=self.revision,
+                    profile=profile.to_dict(),
+                    key=profile.key(),
+                    source={
+                        "id": self.source.id,
+                        "kind": self.source.kind,
+                        "revision": self.source.revision,
+                        "requested_revision": self.requested_revision,
+                    },
+                )
+
+        retry_db(store, f"profile of {self.source.id!r}", self.db_retry_s)
 
     def resume_path(self, request: ProfileRequest) -> Path | None:
         return None
@@ -164,7 +181,10 @@ def profile_stores(
     ps: ProfileSettings,
 ) -> list[ProfileStore]:
     """The table first, then the engine's cache directory (which keeps partial profiles)."""
-    return [DatabaseProfiles(sessions, source, requested_revision), ProfileDirectory(ps.cache_dir)]
+    return [
+        DatabaseProfiles(sessions, source, requested_revision, ps.db_retry_s),
+        ProfileDirectory(ps.cache_dir),
+    ]
 
 
 def quantize_dynamic(
@@ -215,6 +235,6 @@ def annotate_uniform(
     request = ProfileRequest(
         source.id, profile_revision(source), calibration_id(ps.text(), pc.seed), pc
     )
-    prof = DatabaseProfiles(sessions, source, None).find(request)
+    prof = DatabaseProfiles(sessions, source, None, ps.db_retry_s).find(request)
     if prof is not None:
         annotate_report(report, prof)
