@@ -506,7 +506,8 @@ def test_the_main_process_releases_the_job_of_a_lost_pool_process(
         assert state.claim(s, job_id, f"{host}:4242") is not None
 
     def lost(pid: int, exc: BaseException) -> None:
-        tasks.JobRequest._release_job(SimpleNamespace(worker_pid=pid, args=[job_id], id="t"), exc)
+        request: Any = SimpleNamespace(worker_pid=pid, args=[job_id], id="t")
+        tasks.JobRequest._release_job(request, exc)
 
     lost(9999, WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)"))  # not its job
     assert _job(sessions, job_id).status == "running"
