@@ -39,6 +39,7 @@ from app.errors import (
 from app.jobs.routes import router as jobs_router
 from app.keys.service import KeyCache
 from app.limits import RateLimiter
+from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.routes import router as ops_router
 from app.plans.routes import router as plans_router
@@ -310,7 +311,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Submit HIGGS quantization jobs, follow them, download the artifacts. "
         "Errors are RFC 9457 problem+json.",
         lifespan=lifespan,
+        generate_unique_id_function=operation_name,
     )
+    install_openapi(app, settings)
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mimetypes
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -25,19 +24,24 @@ from app.artifacts.download import (
     tar_stream,
 )
 from app.deps import CurrentKey, SessionsDep, SettingsDep, current_key
-from app.jobs.routes import ERRORS, PROBLEM
 from app.jobs.schemas import ArtifactOut, Format
 from app.keys.service import AuthKey
 from app.limits import RateLimiter
 from app.links import check_token, make_token
+from app.openapi import AUTHENTICATED, problems
 
+OCTETS = "application/octet-stream"
+BINARY = {"type": "string", "format": "binary"}
 router = APIRouter(prefix="/v1/jobs/{job_id}/artifacts", tags=["artifacts"])
 
 
 @router.get(
-    "/{format}", response_model=ArtifactOut, responses=ERRORS, summary="Files of an artifact"
+    "/{format}",
+    response_model=ArtifactOut,
+    responses=problems(*AUTHENTICATED, 404, 422),
+    summary="Files of an artifact",
 )
-def list_artifact(
+def get_artifact(
     job_id: str, format: Format, sessions: SessionsDep, key: CurrentKey
 ) -> ArtifactOut:
     with sessions() as session:
@@ -47,7 +51,18 @@ def list_artifact(
 
 @router.get(
     "/{format}/files/{path:path}",
-    responses={**ERRORS, 206: {"description": "partial content"}, 416: PROBLEM},
+    response_class=Response,
+    responses={
+        **problems(*AUTHENTICATED, 304, 400, 404, 416, 422, 500),
+        200: {
+            "description": "the file",
+            "content": {OCTETS: {"schema": BINARY}},
+        },
+        206: {
+            "description": "the requested byte range",
+            "content": {OCTETS: {"schema": BINARY}},
+        },
+    },
     summary="One file, streamed; Range (206), ETag and sha256 digest headers",
 )
 def download_file(
@@ -70,7 +85,8 @@ def download_file(
     size = row.bytes
     # If-Range with another validator: the client's partial copy is stale, send it all.
     rng = parse_range(range_, size) if if_range_matches(if_range, etag) else None
-    media = mimetypes.guess_type(row.path)[0] or "application/octet-stream"
+    # Artifact files are bytes to save, whatever their name: one content type, as documented.
+    media = "application/octet-stream"
     if rng is None:
         return FileSliceResponse(full, 0, size, status_code=200, headers=headers, media_type=media)
     start, end = rng
@@ -86,7 +102,7 @@ class LinkOut(BaseModel):
 @router.post(
     "/{format}/link",
     response_model=LinkOut,
-    responses=ERRORS,
+    responses=problems(*AUTHENTICATED, 404, 422),
     summary="A short-lived signed URL of the archive, usable without an Authorization header",
 )
 def archive_link(
@@ -132,7 +148,14 @@ async def _archive_key(
 
 @router.get(
     "/{format}/archive",
-    responses={**ERRORS, 200: {"content": {"application/x-tar": {}}}},
+    response_class=Response,
+    responses={
+        **problems(*AUTHENTICATED, 304, 404, 422, 500),
+        200: {
+            "description": "a POSIX tar",
+            "content": {"application/x-tar": {"schema": BINARY}},
+        },
+    },
     summary="The whole artifact as one streamed tar (API key, or ?token= of a signed link)",
 )
 def download_archive(

@@ -16,24 +16,27 @@ from starlette.concurrency import run_in_threadpool
 from app.artifacts.download import is_head
 from app.db.models import TERMINAL, Job
 from app.deps import CurrentKey, SessionsDep, SettingsDep
-from app.errors import PROBLEM_JSON, UnauthorizedError
+from app.errors import UnauthorizedError
 from app.jobs import repository, service, state
-from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut
+from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
 from app.keys.service import KeyCache
+from app.openapi import AUTHENTICATED, problems
 from app.queue import enqueue_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457)"}
-ERRORS: dict[int | str, dict[str, Any]] = {401: PROBLEM, 404: PROBLEM, 422: PROBLEM}
+ONE_JOB = problems(*AUTHENTICATED, 404)
 
 
 @router.post(
     "",
     status_code=202,
     response_model=JobOut,
-    responses={**ERRORS, 413: PROBLEM, 400: PROBLEM},
+    responses=problems(*AUTHENTICATED, 400, 413, 422),
     summary="Submit a quantization job",
+    description="202 with the job (also when an Idempotency-Key replays an earlier submit: "
+    "then with `Idempotent-Replayed: true`); 429 when the key's rate limit or its quota of "
+    "queued and running jobs is exceeded.",
 )
 def submit_job(
     body: JobCreate,
@@ -41,7 +44,14 @@ def submit_job(
     sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            description="1..255 printable ASCII characters without spaces",
+            json_schema_extra={"pattern": r"^[\x21-\x7e]{1,255}$"},
+        ),
+    ] = None,
 ) -> JobOut:
     spec = service.validate_request(body, settings)
     with sessions() as session:
@@ -64,17 +74,25 @@ def submit_job(
     return service.job_view(job)
 
 
-@router.get("", response_model=JobPage, responses=ERRORS, summary="List the caller's jobs")
+@router.get(
+    "",
+    response_model=JobPage,
+    responses=problems(*AUTHENTICATED, 422),
+    summary="List the caller's jobs",
+)
 def list_jobs(
     sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
-    status: Annotated[
-        str | None, Query(description="queued|running|succeeded|failed|cancelled")
-    ] = None,
-    limit: Annotated[int, Query()] = 20,
+    status: Annotated[Status | None, Query(description="only jobs with this status")] = None,
+    limit: Annotated[int, Query(ge=1, description="page size (at most HIGGS_PAGE_LIMIT_MAX)")] = 20,
     after: Annotated[
-        str | None, Query(description="the `next` cursor of the previous page")
+        str | None,
+        Query(
+            description="the `next` cursor of the previous page",
+            max_length=512,
+            pattern=r"^[A-Za-z0-9_\-]+$",
+        ),
     ] = None,
 ) -> JobPage:
     with sessions() as session:
@@ -91,7 +109,7 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=ERRORS, summary="One job")
+@router.get("/{job_id}", response_model=JobOut, responses=ONE_JOB, summary="One job")
 def get_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
     with sessions() as session:
         job = service.get_job(session, key, job_id)
@@ -101,7 +119,7 @@ def get_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
 @router.post(
     "/{job_id}/cancel",
     response_model=JobOut,
-    responses={**ERRORS, 409: PROBLEM},
+    responses=problems(*AUTHENTICATED, 404, 409),
     summary="Cancel a job (409 once it has finished)",
 )
 def cancel_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
@@ -111,9 +129,9 @@ def cancel_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
 
 
 @router.get(
-    "/{job_id}/layers", response_model=LayersOut, responses=ERRORS, summary="Per-layer results"
+    "/{job_id}/layers", response_model=LayersOut, responses=ONE_JOB, summary="Per-layer results"
 )
-def job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> LayersOut:
+def get_job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> LayersOut:
     with sessions() as session:
         rows = service.job_layers(session, key, job_id)
     return LayersOut(
@@ -134,8 +152,18 @@ def job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> LayersOut
     )
 
 
-@router.get("/{job_id}/report", responses=ERRORS, summary="The full report.json of a succeeded job")
-def job_report(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JSONResponse:
+@router.get(
+    "/{job_id}/report",
+    responses={
+        **problems(*AUTHENTICATED, 404, 409),
+        200: {
+            "description": "report.json",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+    },
+    summary="The full report.json of a succeeded job (409 before it succeeded)",
+)
+def get_job_report(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JSONResponse:
     with sessions() as session:
         report = service.job_report(session, key, job_id)
     return JSONResponse(report)
@@ -160,10 +188,30 @@ def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
 
 @router.get(
     "/{job_id}/events",
-    responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    response_class=StreamingResponse,
+    responses={
+        **ONE_JOB,
+        200: {
+            "description": "an event stream: `state` and `progress` events whose data is a "
+            "JSON snapshot of the job",
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["data"],
+                        "properties": {
+                            "event": {"type": "string", "enum": ["state", "progress"]},
+                            "id": {"type": "string"},
+                            "data": {"type": "string"},
+                        },
+                    }
+                }
+            },
+        },
+    },
     summary="Server-Sent Events: `state` on status changes, `progress` on stage/progress changes",
 )
-def job_events(
+def stream_job_events(
     job_id: str, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> Response:
     with sessions() as session:

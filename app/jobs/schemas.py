@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,6 +26,32 @@ TARGET_KINDS = ("bits", "avg_bits", "max_ppl_increase")
 GridDim = Annotated[int, WithJsonSchema({"type": "integer", "enum": [1, 2]})]
 
 
+def _power_of_two_in(lo: int, hi: int, what: str) -> Callable[[int], int]:
+    def check(v: int) -> int:
+        if not lo <= v <= hi or v & (v - 1):
+            raise ValueError(f"{what}={v} must be a power of two in {lo}..{hi}")
+        return v
+
+    return check
+
+
+def _powers_of_two(lo: int, hi: int) -> dict[str, Any]:
+    return {"type": "integer", "enum": [1 << k for k in range(hi.bit_length()) if 1 << k >= lo]}
+
+
+# Scale groups and Hadamard blocks, as the engine accepts them for every grid.
+GroupSize = Annotated[
+    int,
+    AfterValidator(_power_of_two_in(2, 4096, "group_size")),
+    WithJsonSchema(_powers_of_two(2, 4096)),
+]
+RotationBlock = Annotated[
+    int,
+    AfterValidator(_power_of_two_in(64, 4096, "rotation_block")),
+    WithJsonSchema(_powers_of_two(64, 4096)),
+]
+
+
 class Strict(BaseModel):
     """Unknown fields are refused, and types are strict: `true` is not a number, `"yes"` not
     a boolean, `4.0` not an integer (a JSON integer is a valid number)."""
@@ -32,17 +60,30 @@ class Strict(BaseModel):
 
 
 def _exactly_one_target_schema(schema: dict[str, Any]) -> None:
-    """The OpenAPI form of Target's rule: exactly one of its three numbers, never null."""
+    """The OpenAPI form of Target's rule, one object per kind with its one number (never
+    null), so SDK generators make a union of three small types."""
     props = schema.get("properties", {})
+    names = {"bits": "BitsTarget", "avg_bits": "AvgBitsTarget", "max_ppl_increase": "PplTarget"}
+    variants = []
     for name in TARGET_KINDS:
-        prop = props.get(name, {})
-        variants = [v for v in prop.pop("anyOf", []) if v.get("type") != "null"]
-        if variants:
-            prop.update(variants[0])
+        prop = dict(props.get(name, {}))
+        number: dict[str, Any] = next(
+            (v for v in prop.pop("anyOf", []) if v.get("type") != "null"), {}
+        )
+        prop.update(number)
         prop.pop("default", None)
-    schema["oneOf"] = [{"required": [name]} for name in TARGET_KINDS]
-    schema["minProperties"] = 1
-    schema["maxProperties"] = 1
+        variants.append(
+            {
+                "title": names[name],
+                "type": "object",
+                "properties": {name: prop},
+                "required": [name],
+                "additionalProperties": False,
+            }
+        )
+    description = schema.get("description", "")
+    schema.clear()
+    schema.update({"title": "Target", "description": description, "oneOf": variants})
 
 
 # The OpenAPI patterns of model ids and revisions (app.jobs.model_ref checks the full rules).
@@ -129,11 +170,11 @@ class Options(Strict):
         description="grid size (p=1: 2..256, p=2: 4..4096, powers of two); default: chosen "
         "from bits",
     )
-    group_size: int = Field(
-        default=256, ge=1, le=4096, description="weights per scale; a multiple of p"
+    group_size: GroupSize = Field(
+        default=256, description="weights per scale: a power of two in 2..4096"
     )
-    rotation_block: int = Field(
-        default=1024, ge=64, le=4096, description="Hadamard block: a power of two in 64..4096"
+    rotation_block: RotationBlock = Field(
+        default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     formats: list[Format] = Field(
         default_factory=lambda: list(_ALL_FORMATS),

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from app.db.base import utcnow
 from app.db.models import STATUSES, Job, JobLayer
 from app.errors import (
+    ConflictError,
     NotFoundError,
     NotSupportedError,
     QuotaExceededError,
@@ -41,6 +42,10 @@ _DYNAMIC = DYNAMIC_TARGETS
 
 class JobNotFound(NotFoundError):
     code = "job_not_found"
+
+
+class ReportNotReadyError(ConflictError):
+    code, title = "report_not_ready", "No report yet"
 
 
 class IdempotencyConflictError(ValidationFailedError):
@@ -297,7 +302,7 @@ def job_layers(session: Session, key: AuthKey, job_id: str) -> list[JobLayer]:
 def job_report(session: Session, key: AuthKey, job_id: str) -> dict[str, Any]:
     job = get_job(session, key, job_id)
     if job.report is None:
-        raise NotFoundError(
+        raise ReportNotReadyError(
             f"job {job_id} has no report yet (status {job.status}); reports exist once a job succeeded"
         )
     return job.report

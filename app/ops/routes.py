@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz", summary="The process is alive", operation_id="healthz")
+@router.get("/healthz", summary="The process is alive")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
@@ -33,8 +33,27 @@ def _describe(exc: Exception) -> str:
 @router.get(
     "/readyz",
     summary="Database and broker reachable (503 otherwise)",
-    operation_id="readyz",
-    responses={503: {"content": {PROBLEM_JSON: {}}, "description": "not ready (problem+json)"}},
+    responses={
+        200: {
+            "description": "ready",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["status", "checks"],
+                        "properties": {
+                            "status": {"type": "string", "enum": ["ready"]},
+                            "checks": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                            },
+                        },
+                    }
+                }
+            },
+        },
+        503: {"description": "not ready"},
+    },
 )
 def readyz(sessions: SessionsDep, settings: SettingsDep) -> JSONResponse:
     # The public answer says which dependency failed, never how (the log has the detail).

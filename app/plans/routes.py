@@ -7,14 +7,24 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.deps import CurrentKey, SessionsDep, SettingsDep
-from app.jobs.routes import ERRORS
+from app.openapi import AUTHENTICATED, problems
 from app.plans import service
 from app.plans.service import PlanCreate
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 
 
-@router.post("", responses=ERRORS, summary="Predicted quality-vs-size curve from a cached profile")
+@router.post(
+    "",
+    responses={
+        **problems(*AUTHENTICATED, 400, 404, 413, 422),
+        200: {
+            "description": "the plan",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+    },
+    summary="Predicted quality-vs-size curve from a cached profile",
+)
 def create_plan(
     body: PlanCreate, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> dict[str, Any]:

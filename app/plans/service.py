@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.model_ref import ModelRefError, resolve_model
-from app.jobs.schemas import GridDim, ModelRef, Strict, Target
+from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, Target
 from app.jobs.service import config_error_field
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
@@ -26,11 +26,11 @@ class PlanOptions(Strict):
     p: GridDim | None = Field(
         default=None, description="restrict the menu to grids of this p"
     )
-    group_size: int = Field(
-        default=256, ge=1, le=4096, description="weights per scale; a multiple of p"
+    group_size: GroupSize = Field(
+        default=256, description="weights per scale: a power of two in 2..4096"
     )
-    rotation_block: int = Field(
-        default=1024, ge=64, le=4096, description="Hadamard block: a power of two in 64..4096"
+    rotation_block: RotationBlock = Field(
+        default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
 

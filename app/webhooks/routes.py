@@ -9,8 +9,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from app.deps import CurrentKey, SessionsDep
-from app.jobs.routes import ERRORS
 from app.jobs.service import get_job
+from app.openapi import AUTHENTICATED, problems
 from app.webhooks import service
 from app.webhooks.signing import SIGNATURE_HEADER
 
@@ -48,10 +48,10 @@ class DeliveriesOut(BaseModel):
 @router.get(
     "/v1/webhooks/secret",
     response_model=SecretOut,
-    responses=ERRORS,
+    responses=problems(*AUTHENTICATED),
     summary="The caller's webhook signing secret (made on first use)",
 )
-def webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
+def get_webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
     with sessions() as session:
         return SecretOut(secret=service.secret_of(session, key.id))
 
@@ -59,7 +59,7 @@ def webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
 @router.post(
     "/v1/webhooks/secret/rotate",
     response_model=SecretOut,
-    responses=ERRORS,
+    responses=problems(*AUTHENTICATED),
     summary="Replace the caller's webhook signing secret",
 )
 def rotate_webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
@@ -70,10 +70,10 @@ def rotate_webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
 @router.get(
     "/v1/jobs/{job_id}/webhooks",
     response_model=DeliveriesOut,
-    responses=ERRORS,
+    responses=problems(*AUTHENTICATED, 404),
     summary="The job's webhook deliveries and their outcomes",
 )
-def job_webhooks(job_id: str, sessions: SessionsDep, key: CurrentKey) -> DeliveriesOut:
+def list_job_webhooks(job_id: str, sessions: SessionsDep, key: CurrentKey) -> DeliveriesOut:
     with sessions() as session:
         job = get_job(session, key, job_id)
         rows = service.deliveries_of(session, job.id)

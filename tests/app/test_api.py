@@ -322,7 +322,10 @@ def test_progress_layers_report_and_failure_views(
 ) -> None:
     job = submit(client, auth).json()
     jid = job["id"]
-    assert_problem(client.get(f"/v1/jobs/{jid}/report", headers=auth), 404)
+    # The job exists but has no report yet: a conflict with its status, not "not found".
+    assert assert_problem(client.get(f"/v1/jobs/{jid}/report", headers=auth), 409)["code"] == (
+        "report_not_ready"
+    )
     assert client.get(f"/v1/jobs/{jid}/layers", headers=auth).json() == {"job_id": jid, "data": []}
     with sessions() as s:
         state.claim(s, jid, "w")
