@@ -28,6 +28,21 @@ class Settings(BaseSettings):
     database_url: str = ""
     broker_url: str = ""
     artifacts_dir: Path | None = None
+    # Where artifacts are published: unset = artifacts_dir on local disk (the embedded shape);
+    # s3://bucket/prefix = an S3-compatible store (app.artifacts.store), credentials the
+    # standard AWS way (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, profiles, instance roles).
+    artifacts_url: str | None = None
+    # A non-AWS S3 endpoint (SeaweedFS, MinIO, Ceph...), e.g. http://127.0.0.1:8333.
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    # Files above this size are uploaded in parts of this size (S3 minimum: 5 MiB).
+    s3_part_size_mb: int = Field(default=64, ge=5, le=5120)
+    # Connect and read timeout of one store request (two tries): what an unreachable store
+    # costs a download, /readyz or a job before it reads as storage_unavailable.
+    s3_timeout_s: float = Field(default=20.0, gt=0)
+    # Downloads of S3 artifacts answer 307 to a presigned store URL instead of streaming.
+    artifacts_redirect: bool = False
+    artifacts_redirect_ttl_s: int = Field(default=900, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
     hf_token: str | None = None
@@ -152,6 +167,15 @@ class Settings(BaseSettings):
         self.artifacts_dir = self.artifacts_dir.expanduser().resolve()
         if self.models_dir is not None:
             self.models_dir = self.models_dir.expanduser().resolve()
+        if self.artifacts_url:
+            from urllib.parse import urlparse
+
+            u = urlparse(self.artifacts_url)
+            if u.scheme != "s3" or not u.netloc:
+                raise ValueError(
+                    f"artifacts_url {self.artifacts_url!r} must be s3://bucket[/prefix] "
+                    "(unset: the local artifacts folder)"
+                )
         if self.profiles_dir is None:
             self.profiles_dir = self.data_dir / "profiles"
         self.profiles_dir = self.profiles_dir.expanduser().resolve()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 server (SeaweedFS `weed mini` from the dev extra) on loopback ports, with
+    bucket "higgs"; devtools.seaweed.S3Server (endpoint, env, client())."""
+    from devtools.seaweed import running_s3
+
+    with running_s3(tmp_path_factory.mktemp("s3")) as server:
+        yield server

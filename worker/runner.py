@@ -35,6 +35,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.manifest import artifact_rows as manifest_rows
+from app.artifacts.store import (
+    ArtifactStore,
+    StoreUnavailableError,
+    UploadFile,
+    join_uri,
+    store_from_settings,
+)
 from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
 from app.settings import Settings
@@ -86,6 +93,9 @@ class RunnerConfig:
     profiles: ProfileSettings | None = None
     # How long a database write is retried through an outage before the attempt is abandoned.
     db_retry_s: float = 300.0
+    # An artifact store other than artifacts_dir (HIGGS_ARTIFACTS_URL=s3://...): the engine
+    # still writes to local staging, then the files are uploaded there. None: artifacts_dir.
+    store: ArtifactStore | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -104,6 +114,7 @@ class RunnerConfig:
             eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
             db_retry_s=settings.worker_db_retry_s,
+            store=store_from_settings(settings) if settings.artifacts_url else None,
         )
 
 
@@ -359,6 +370,11 @@ def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id:
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     try:
+        if cfg.store is not None:
+            # Before hours of work: the store must be there. What earlier attempts of this
+            # job left in it (objects, open multipart uploads) goes: none of it is published.
+            cfg.store.check()
+            cfg.store.clear_job(job_id, keep=None)
         with heartbeating(writer, cfg.heartbeat_interval_s):
             _run_attempt(
                 sessions, job_id, worker_id, cfg, writer, staging,
@@ -382,6 +398,9 @@ def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id:
         if isinstance(exc, DBAPIError) and is_transient(exc):
             log.error("job %s: attempt abandoned: the database is unreachable (%s)", job_id, exc)
             return Outcome("lost", str(exc))
+        if isinstance(exc, StoreUnavailableError):
+            remove_tree(staging)
+            return _wait_for_store(sessions, job_id, worker_id, cfg, exc)
         if is_storage_full(exc):
             remove_tree(staging)
             return _wait_for_storage(sessions, job_id, worker_id, cfg, exc)
@@ -483,6 +502,65 @@ def _wait_for_storage(
     return Outcome("storage_full", message)
 
 
+def _wait_for_store(
+    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
+) -> Outcome:
+    """The artifact store cannot be used: the job goes back to the queue (its attempt not
+    counted) with error storage_unavailable; the sweep sends it again once the store answers."""
+    where = cfg.store.describe() if cfg.store is not None else str(cfg.artifacts_dir)
+    log.error("job %s: artifact store %s unavailable (%s); back in the queue", job_id, where, exc)
+    message = (
+        "the artifact store cannot be reached; the job waits in the queue and runs again once "
+        "it can"
+    )
+
+    def once() -> bool:
+        with sessions() as s:
+            return state.wait_for_storage(
+                s, job_id, message, None, worker_id=worker_id, code=state.STORAGE_UNAVAILABLE
+            )
+
+    try:
+        requeued = retry_db(once, f"store wait of job {job_id}", cfg.db_retry_s)
+    except DatabaseUnavailableError as e:
+        log.error("job %s: could not record the store wait: %s", job_id, e)
+        return Outcome("lost", str(e))
+    if not requeued:
+        return _stop(sessions, job_id, worker_id, "artifact store unavailable", cfg.db_retry_s)
+    return Outcome(state.STORAGE_UNAVAILABLE, message)
+
+
+def _upload(
+    store: ArtifactStore, out: Path, job_id: str, attempt_name: str, formats: list[str],
+    writer: ProgressWriter,
+) -> tuple[str, list[dict[str, Any]]]:
+    """Hash the engine's output (sha256 per file, computed here: S3 has no whole-object
+    SHA-256 for multipart uploads) and upload it under the attempt's URI, which no artifact
+    row names yet. Returns (attempt URI, artifact rows naming it)."""
+    rows = artifact_rows(out, formats)
+    uri = store.attempt_uri(job_id, attempt_name)
+    files = [
+        UploadFile(f"{row['format']}/{f['path']}", out / row["format"] / f["path"], f["sha256"])
+        for row in rows
+        for f in row["files"]
+    ]
+    done = 0
+
+    def should_stop() -> bool:
+        nonlocal done
+        go = writer("uploading", done, len(files))
+        done += 1
+        return not go
+
+    if not store.upload(uri, files, should_stop):
+        raise CancelledError("cancelled while uploading the artifacts")
+    writer("uploading", len(files), len(files))
+    for row in rows:
+        row["uri"] = join_uri(uri, row["format"])
+        del row["root"]
+    return uri, rows
+
+
 def _run_attempt(
     sessions: SessionFactory,
     job_id: str,
@@ -555,9 +633,15 @@ def _run_attempt(
         report.save(out / "report.json")
     if writer.stop.is_set():
         raise CancelledError("cancelled while packaging")
-    final = publish(out, cfg.artifacts_dir, job_id, staging.name)
+    store = cfg.store
+    if store is not None:
+        uri, rows = _upload(store, out, job_id, staging.name, list(engine_cfg.formats), writer)
+        final = out
+    else:
+        uri, final = "", publish(out, cfg.artifacts_dir, job_id, staging.name)
     try:
-        rows = artifact_rows(final, list(engine_cfg.formats))
+        if store is None:
+            rows = artifact_rows(final, list(engine_cfg.formats))
         report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
         tries = 0
 
@@ -578,11 +662,20 @@ def _run_attempt(
         retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
     except BaseException:
         # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
+        if store is not None:
+            with contextlib.suppress(Exception):  # a store that is away: the next attempt clears
+                store.delete_tree(uri)
         remove_tree(final)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
         raise
     # Exactly one published artifact set per job: drop what earlier attempts left behind.
-    prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
+    if store is not None:
+        try:
+            store.clear_job(job_id, keep=uri)
+        except StoreUnavailableError as e:
+            log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)
+    else:
+        prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
     log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
     return final
 

@@ -10,7 +10,8 @@
    claim is a compare-and-set, so the second delivery finds nothing to claim.
 4. Jobs that went back to the queue because the storage was full (error storage_full) are
    sent again once the artifacts volume has more free space than after their attempt, or
-   after settings.storage_retry_s.
+   after settings.storage_retry_s. Jobs put back because the artifact store was unreachable
+   (error storage_unavailable) are sent again once it answers.
 
 Every step is a compare-and-set in app.jobs.state, so several workers may sweep at once.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.artifacts.store import store_from_settings
 from app.db.base import utcnow
 from app.jobs import state
 from app.settings import Settings
@@ -101,7 +103,7 @@ def sweep(
                 len(unclaimed), settings.queued_resend_s, "unknown" if have is None else have, expected,
             )
     out.resent = list(unclaimed)
-    out.storage = _storage_ready(sessions, settings)
+    out.storage = _storage_ready(sessions, settings) + _store_ready(sessions, settings)
     for job_id in dict.fromkeys([*out.requeued, *pending, *out.resent, *out.storage]):
         if enqueue(job_id):
             with sessions() as s:
@@ -149,6 +151,29 @@ def _storage_ready(sessions: sessionmaker[Session], settings: Settings) -> list[
     if ready:
         free_mib = "unknown" if space is None else f"{space[0] / 2**20:.1f} MiB"
         log.info("sweep: storage has room again (%s free): sending %d waiting job(s)", free_mib, len(ready))
+    return ready
+
+
+def _store_ready(sessions: sessionmaker[Session], settings: Settings) -> list[str]:
+    """Jobs put back because the artifact store was unreachable (storage_unavailable), once it
+    answers again (or after storage_retry_s: the runner checks it again itself)."""
+    with sessions() as s:
+        waiting = state.list_storage_waiting(s, code=state.STORAGE_UNAVAILABLE)
+    if not waiting:
+        return []
+    try:
+        store_from_settings(settings).check()
+        reachable = True
+    except Exception as e:
+        log.info("sweep: artifact store still unavailable (%s): %d job(s) wait", e, len(waiting))
+        reachable = False
+    ready = [
+        w.job_id
+        for w in waiting
+        if reachable or (utcnow() - w.since).total_seconds() >= settings.storage_retry_s
+    ]
+    if ready and reachable:
+        log.info("sweep: the artifact store answers again: sending %d waiting job(s)", len(ready))
     return ready
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import base64
 import re
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+from starlette.concurrency import iterate_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -130,11 +131,49 @@ class FileSliceResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class ChunksResponse(Response):
+    """A body of known length from a chunk iterator (an artifact store's ranged read), pulled
+    in a worker thread; HEAD sends the headers only."""
+
+    def __init__(
+        self,
+        chunks: Iterator[bytes],
+        length: int,
+        *,
+        status_code: int,
+        headers: dict[str, str],
+        media_type: str,
+    ) -> None:
+        self.chunks = chunks
+        super().__init__(
+            content=None,
+            status_code=status_code,
+            headers={**headers, "Content-Length": str(length)},
+            media_type=media_type,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            if not is_head(scope):
+                async for chunk in iterate_in_threadpool(self.chunks):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            close = getattr(self.chunks, "close", None)
+            if close is not None:
+                await anyio.to_thread.run_sync(close)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 @dataclass(frozen=True)
 class TarMember:
     name: str  # path inside the archive
-    path: Path  # file on disk
+    path: Path | None  # file on disk, or None with `read`
     size: int
+    # The member's bytes from elsewhere (an artifact store), opened when the member is reached.
+    read: Callable[[], Iterator[bytes]] | None = None
 
 
 def _header(member: TarMember, mtime: float) -> bytes:
@@ -151,18 +190,34 @@ def tar_size(members: Sequence[TarMember], mtime: float) -> int:
     return total + 2 * tarfile.BLOCKSIZE
 
 
+def _member_chunks(m: TarMember) -> Iterator[bytes]:
+    if m.read is not None:
+        yield from m.read()
+        return
+    if m.path is None:
+        raise ValueError(f"tar member {m.name!r} has neither a path nor a reader")
+    with m.path.open("rb") as f:
+        remaining = m.size
+        while remaining > 0:
+            chunk = f.read(min(CHUNK, remaining))
+            if not chunk:
+                return
+            remaining -= len(chunk)
+            yield chunk
+
+
 def tar_stream(members: Sequence[TarMember], mtime: float) -> Iterator[bytes]:
     """A POSIX (pax) tar of the members, produced chunk by chunk without a temporary file."""
     for m in members:
         yield _header(m, mtime)
         written = 0
-        with m.path.open("rb") as f:
-            while written < m.size:
-                chunk = f.read(min(CHUNK, m.size - written))
-                if not chunk:
-                    raise OSError(f"{m.path} is shorter than its recorded {m.size} bytes")
-                written += len(chunk)
-                yield chunk
+        for chunk in _member_chunks(m):
+            written += len(chunk)
+            if written > m.size:
+                raise OSError(f"{m.name} is longer than its recorded {m.size} bytes")
+            yield chunk
+        if written < m.size:
+            raise OSError(f"{m.name} is shorter than its recorded {m.size} bytes")
         pad = -m.size % tarfile.BLOCKSIZE
         if pad:
             yield b"\0" * pad

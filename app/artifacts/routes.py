@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -13,6 +14,7 @@ from starlette.responses import Response
 
 from app.artifacts import service
 from app.artifacts.download import (
+    ChunksResponse,
     FileSliceResponse,
     TarMember,
     digest_headers,
@@ -23,6 +25,14 @@ from app.artifacts.download import (
     tar_size,
     tar_stream,
 )
+from app.artifacts.store import (
+    ArtifactStore,
+    LocalStore,
+    S3Store,
+    StoreObjectMissingError,
+    store_for_uri,
+)
+from app.db.models import ArtifactFile
 from app.deps import CurrentKey, SessionsDep, SettingsDep, current_key
 from app.jobs.schemas import ArtifactOut, Format
 from app.keys.service import AuthKey
@@ -62,14 +72,17 @@ def get_artifact(
             "description": "the requested byte range",
             "content": {OCTETS: {"schema": BINARY}},
         },
+        307: {"description": "a presigned store URL (HIGGS_ARTIFACTS_REDIRECT=1, S3 store)"},
     },
-    summary="One file, streamed; Range (206), ETag and sha256 digest headers",
+    summary="One file, streamed from the store; Range (206), ETag and sha256 digest headers",
 )
 def download_file(
     job_id: str,
     format: Format,
     path: str,
+    request: Request,
     sessions: SessionsDep,
+    settings: SettingsDep,
     key: CurrentKey,
     range_: Annotated[str | None, Header(alias="Range")] = None,
     if_range: Annotated[str | None, Header(alias="If-Range")] = None,
@@ -77,21 +90,41 @@ def download_file(
 ) -> Response:
     with sessions() as session:  # closed before the file is sent
         art = service.get_artifact(session, key, job_id, format)
-    row, full = service.resolve_file(art, path)
+    row = service.resolve_file(art, path)
+    store = store_for_uri(settings, art.uri)
     headers = {**digest_headers(row.sha256), "Accept-Ranges": "bytes"}
     etag = headers["ETag"]
     if none_match(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     size = row.bytes
+    head = is_head(request.scope)
+    if settings.artifacts_redirect and isinstance(store, S3Store) and not head:
+        # The store answers Range itself; the client checks the digest headers sent here.
+        url = store.presigned_url(art.uri, row.path, settings.artifacts_redirect_ttl_s)
+        if url is not None:
+            return Response(status_code=307, headers={**headers, "Location": url})
     # If-Range with another validator: the client's partial copy is stale, send it all.
     rng = parse_range(range_, size) if if_range_matches(if_range, etag) else None
     # Artifact files are bytes to save, whatever their name: one content type, as documented.
     media = "application/octet-stream"
-    if rng is None:
-        return FileSliceResponse(full, 0, size, status_code=200, headers=headers, media_type=media)
-    start, end = rng
-    headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-    return FileSliceResponse(full, start, end, status_code=206, headers=headers, media_type=media)
+    start, end = (0, size) if rng is None else rng
+    status = 200 if rng is None else 206
+    if rng is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    try:
+        if isinstance(store, LocalStore):
+            full = store.local_file(art.uri, row.path)
+            return FileSliceResponse(
+                full, start, end, status_code=status, headers=headers, media_type=media
+            )
+        if head:  # the object must exist; its bytes are not read
+            store.stat(art.uri, row.path)
+            chunks: Iterator[bytes] = iter(())
+        else:
+            chunks = store.open_range(art.uri, row.path, start, end)
+    except StoreObjectMissingError as exc:
+        raise service.missing(art, row.path) from exc
+    return ChunksResponse(chunks, end - start, status_code=status, headers=headers, media_type=media)
 
 
 class LinkOut(BaseModel):
@@ -163,15 +196,31 @@ def download_archive(
     format: Format,
     request: Request,
     sessions: SessionsDep,
+    settings: SettingsDep,
     key: Annotated[AuthKey, Depends(_archive_key)],
     if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
 ) -> Response:
     with sessions() as session:  # closed before the archive is sent
         art = service.get_artifact(session, key, job_id, format)
+    store = store_for_uri(settings, art.uri)
     members = []
     for f in art.files:
-        row, full = service.resolve_file(art, f.path)
-        members.append(TarMember(name=f"{art.format}/{row.path}", path=full, size=row.bytes))
+        row = service.resolve_file(art, f.path)
+        name = f"{art.format}/{row.path}"
+        try:
+            if isinstance(store, LocalStore):
+                full = store.local_file(art.uri, row.path)
+                members.append(TarMember(name=name, path=full, size=row.bytes))
+            else:
+                # Every object is there before the archive starts (a missing one is a 500 now,
+                # not a broken stream later; an unreachable store a 503).
+                if not is_head(request.scope):
+                    store.stat(art.uri, row.path)
+                members.append(
+                    TarMember(name=name, path=None, size=row.bytes, read=_reader(store, art.uri, row))
+                )
+        except StoreObjectMissingError as exc:
+            raise service.missing(art, row.path) from exc
     mtime = art.created_at.timestamp()
     etag = f'"{art.sha256}"'
     headers = {
@@ -190,3 +239,7 @@ def download_archive(
     return StreamingResponse(
         tar_stream(members, mtime), media_type="application/x-tar", headers=headers
     )
+
+
+def _reader(store: ArtifactStore, uri: str, row: ArtifactFile) -> Callable[[], Iterator[bytes]]:
+    return lambda: store.open_range(uri, row.path, 0, row.bytes)

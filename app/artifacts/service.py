@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from sqlalchemy.orm import Session
 
+from app.artifacts.store import StoreObjectMissingError
 from app.db.models import SUCCEEDED, Artifact, ArtifactFile
-from app.errors import AppError, BadRequestError, NotFoundError
+from app.errors import BadRequestError, NotFoundError
 from app.jobs import repository
 from app.jobs.schemas import ArtifactOut
 from app.jobs.service import get_job, job_url
@@ -16,13 +15,6 @@ from app.keys.service import AuthKey
 
 class ArtifactNotFound(NotFoundError):
     code = "artifact_not_found"
-
-
-class ArtifactFileMissingError(AppError):
-    """The database lists the file but it is gone from the store: a broken store, not a
-    client mistake, hence a 500 (still problem+json)."""
-
-    status, code, title = 500, "artifact_file_missing", "Artifact file missing from the store"
 
 
 def get_artifact(session: Session, key: AuthKey, job_id: str, fmt: str) -> Artifact:
@@ -49,21 +41,19 @@ def check_file_path(path: str) -> str:
     return path
 
 
-def resolve_file(art: Artifact, path: str) -> tuple[ArtifactFile, Path]:
-    """The listed file and its location, refusing anything that escapes the artifact root."""
+def resolve_file(art: Artifact, path: str) -> ArtifactFile:
+    """The listed file (a path that is not listed is a 404; the store is not asked)."""
     check_file_path(path)
     row = next((f for f in art.files if f.path == path), None)
     if row is None:
         raise ArtifactNotFound(f"artifact {art.format!r} of job {art.job_id} has no file {path!r}")
-    root = Path(art.root).resolve()
-    full = (root / row.path).resolve()
-    if not full.is_relative_to(root):
-        raise ArtifactNotFound(f"file {path!r} is outside the artifact")
-    if not full.is_file():
-        raise ArtifactFileMissingError(
-            f"file {path!r} of artifact {art.format!r} (job {art.job_id}) is missing from the store"
-        )
-    return row, full
+    return row
+
+
+def missing(art: Artifact, path: str) -> StoreObjectMissingError:
+    return StoreObjectMissingError(
+        f"file {path!r} of artifact {art.format!r} (job {art.job_id}) is missing from the store"
+    )
 
 
 def artifact_view(art: Artifact) -> ArtifactOut:

@@ -131,8 +131,10 @@ class Artifact(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     format: Mapped[str] = mapped_column(String(32))
-    # Absolute directory holding the files (published atomically by the worker).
-    root: Mapped[str] = mapped_column(Text)
+    # Where the files are, in the artifact store (app.artifacts.store): file:///abs/dir for
+    # the local folder, s3://bucket/key-prefix for an S3-compatible store. Published
+    # atomically by the worker: nothing is listed here before the job succeeded.
+    uri: Mapped[str] = mapped_column(Text)
     total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # sha256 of the manifest ("<sha256>  <path>\n" per file, sorted by path).
     sha256: Mapped[str] = mapped_column(String(64))

@@ -38,6 +38,9 @@ from app.errors import ConflictError, NotFoundError
 MAX_MESSAGE_CHARS = 4000
 WORKER_LOST = "worker_lost"
 STORAGE_FULL = "storage_full"
+STORAGE_UNAVAILABLE = "storage_unavailable"
+# Error codes of a job back in the queue waiting for storage (room, or a reachable store).
+STORAGE_WAITS = (STORAGE_FULL, STORAGE_UNAVAILABLE)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -276,10 +279,17 @@ def _layer_row(job_id: str, idx: int, row: Mapping[str, Any]) -> JobLayer:
         raise InvalidRowError(f"layer row {idx} ({dict(row)!r}) is malformed: {e}") from e
 
 
+def _root_uri(root: str) -> str:
+    if not Path(root).is_absolute():
+        raise InvalidRowError(f"artifact root {root!r} must be an absolute path")
+    return Path(root).as_uri()
+
+
 def _artifact_row(job_id: str, row: Mapping[str, Any]) -> Artifact:
     try:
         fmt = str(row["format"])
-        root = str(row["root"])
+        # "uri": a store URI (file:// or s3://); "root": an absolute local directory.
+        uri = str(row["uri"]) if "uri" in row else _root_uri(str(row["root"]))
         files = []
         for f in row["files"]:
             sha = str(f["sha256"])
@@ -291,15 +301,15 @@ def _artifact_row(job_id: str, row: Mapping[str, Any]) -> Artifact:
             files.append(ArtifactFile(path=_check_rel_path(str(f["path"])), bytes=size, sha256=sha))
     except (KeyError, TypeError) as e:
         raise InvalidRowError(f"artifact row {dict(row)!r} is malformed: {e}") from e
-    if not Path(root).is_absolute():
-        raise InvalidRowError(f"artifact root {root!r} must be an absolute path")
+    if not re.match(r"^(file:///|s3://[^/]+/)", uri):
+        raise InvalidRowError(f"artifact URI {uri!r} must be file:///... or s3://bucket/...")
     files.sort(key=lambda f: f.path)
     from app.artifacts.manifest import manifest_sha256
 
     return Artifact(
         job_id=job_id,
         format=fmt,
-        root=root,
+        uri=uri,
         total_bytes=int(row.get("total_bytes", sum(f.bytes for f in files))),
         sha256=str(row.get("sha256") or manifest_sha256((f.path, f.sha256) for f in files)),
         files=files,
@@ -319,7 +329,8 @@ def succeed(
 ) -> Job:
     """running -> succeeded, storing the report, per-layer rows and artifact rows in ONE
     transaction. `layers` default to report["layers"]; each artifact row is
-    {"format", "root" (absolute dir), "files": [{"path", "bytes", "sha256"}]} (see
+    {"format", "uri" (store URI; or "root": an absolute dir), "files": [{"path", "bytes",
+    "sha256"}]} (see
     app.artifacts.manifest.artifact_row). Raises JobCancelRequestedError when the user asked
     to cancel meanwhile, IllegalTransitionError when the job is not running (for this worker)."""
     now = utcnow()
@@ -397,11 +408,16 @@ def wait_for_storage(
     free_bytes: int | None,
     *,
     worker_id: str | None = None,
+    code: str = STORAGE_FULL,
 ) -> bool:
     """running -> queued because the storage is full: the attempt is not counted, the job
     shows error storage_full while it waits, and enqueued_at is cleared so that the sweep
-    sends it again once the artifacts volume has more than `free_bytes` free. False (nothing
-    changed) when cancel was requested or the job is not running (for this worker)."""
+    sends it again once the artifacts volume has more than `free_bytes` free. With
+    code=storage_unavailable: the artifact store could not be reached, and the sweep sends the
+    job again once it can. False (nothing changed) when cancel was requested or the job is
+    not running (for this worker)."""
+    if code not in STORAGE_WAITS:
+        raise ValueError(f"storage wait code {code!r} is not one of {sorted(STORAGE_WAITS)}")
     now = utcnow()
     ok = _cas(
         session,
@@ -417,7 +433,7 @@ def wait_for_storage(
             "progress_total": 0,
             "heartbeat_at": None,
             "enqueued_at": None,
-            "error_code": STORAGE_FULL,
+            "error_code": code,
             "error_message": message[:MAX_MESSAGE_CHARS],
             "wait_free_bytes": free_bytes,
             "updated_at": now,
@@ -545,7 +561,7 @@ def list_unenqueued(session: Session, older_than: datetime, limit: int = 100) ->
             Job.status == QUEUED,
             Job.enqueued_at.is_(None),
             Job.created_at < older_than,
-            Job.error_code.is_(None) | (Job.error_code != STORAGE_FULL),
+            Job.error_code.is_(None) | Job.error_code.not_in(STORAGE_WAITS),
         )
         .order_by(Job.created_at)
         .limit(limit)
@@ -585,11 +601,14 @@ class StorageWait:
     since: datetime
 
 
-def list_storage_waiting(session: Session, limit: int = 100) -> list[StorageWait]:
-    """Queued jobs put back because the storage was full, not yet sent again."""
+def list_storage_waiting(
+    session: Session, limit: int = 100, code: str = STORAGE_FULL
+) -> list[StorageWait]:
+    """Queued jobs put back because the storage was full (or, with code=storage_unavailable,
+    the artifact store unreachable), not yet sent again."""
     stmt = (
         select(Job.id, Job.wait_free_bytes, Job.updated_at)
-        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.error_code == STORAGE_FULL)
+        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.error_code == code)
         .order_by(Job.updated_at)
         .limit(limit)
     )

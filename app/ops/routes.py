@@ -1,4 +1,4 @@
-"""/healthz (process alive), /readyz (database and broker reachable), /metrics (behind its own
+"""/healthz (process alive), /readyz (database, broker and artifact store reachable), /metrics (behind its own
 key, HIGGS_METRICS_KEY)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
+from app.artifacts.store import store_from_settings
 from app.deps import SessionsDep, SettingsDep
 from app.errors import PROBLEM_JSON, NotFoundError, ServiceUnavailableError, UnauthorizedError
 from app.queue import check_broker
@@ -32,7 +33,7 @@ def _describe(exc: Exception) -> str:
 
 @router.get(
     "/readyz",
-    summary="Database and broker reachable (503 otherwise)",
+    summary="Database, broker and artifact store reachable (503 otherwise)",
     responses={
         200: {
             "description": "ready",
@@ -73,6 +74,12 @@ def readyz(sessions: SessionsDep, settings: SettingsDep) -> JSONResponse:
     except Exception as e:
         log.warning("readyz: broker check failed: %s", _describe(e))
         checks["broker"] = "unavailable"
+    try:
+        store_from_settings(settings).check()
+        checks["store"] = "ok"
+    except Exception as e:
+        log.warning("readyz: artifact store check failed: %s", _describe(e))
+        checks["store"] = "unavailable"
     if all(v == "ok" for v in checks.values()):
         return JSONResponse({"status": "ready", "checks": checks})
     bad = ", ".join(k for k, v in checks.items() if v != "ok")

@@ -393,7 +393,7 @@ def test_broker_down_still_accepts_and_leaves_job_for_the_sweep(
         assert r.status_code == 202
         ready = c.get("/readyz")
         body = assert_problem(ready, 503)
-        assert body["checks"] == {"database": "ok", "broker": "unavailable"}
+        assert body["checks"] == {"database": "ok", "broker": "unavailable", "store": "ok"}
     with sessions() as s:
         row = s.get(Job, r.json()["id"])
         assert row is not None and row.enqueued_at is None

@@ -79,3 +79,51 @@ def test_alembic_command_line_reads_settings(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert tables(f"sqlite:///{tmp_path / 'data' / 'higgs.db'}") >= TABLES
+
+
+def test_artifact_paths_become_store_uris_and_back(db_url: str, tmp_path: Path) -> None:
+    """0007_artifact_store: a row written with an absolute path (before) reads as a file://
+    URI (after), which the local store serves; downgrading gives the path back."""
+    from sqlalchemy import text
+
+    downgrade_database(db_url, "0002_webhooks")
+    root = tmp_path / "art dir" / "job1" / "1.ab" / "native"
+    engine = create_db_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO api_keys (id, name, prefix, key_hash, created_at) "
+                    "VALUES ('k1', 'k', 'p', :h, CURRENT_TIMESTAMP)"
+                ),
+                {"h": "0" * 64},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, api_key_id, request_hash, request, config, model_id, "
+                    "status, progress_done, progress_total, attempts, cancel_requested, "
+                    "created_at, updated_at) VALUES ('job1', 'k1', :h, '{}', '{}', 'm', "
+                    "'succeeded', 0, 0, 1, false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                ),
+                {"h": "0" * 64},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO artifacts (job_id, format, root, total_bytes, sha256, created_at) "
+                    "VALUES ('job1', 'native', :root, 0, :h, CURRENT_TIMESTAMP)"
+                ),
+                {"root": str(root), "h": "0" * 64},
+            )
+        upgrade_database(db_url)
+        with engine.connect() as conn:
+            uri = conn.execute(text("SELECT uri FROM artifacts")).scalar_one()
+        assert uri == root.as_uri() and "%20" in uri
+        from app.artifacts.store import uri_path
+
+        assert uri_path(uri) == root
+        downgrade_database(db_url, "0002_webhooks")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT root FROM artifacts")).scalar_one() == str(root)
+        upgrade_database(db_url)
+    finally:
+        engine.dispose()

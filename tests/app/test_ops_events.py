@@ -58,7 +58,7 @@ def test_healthz_readyz_openapi_docs_need_no_key(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text
-    assert ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+    assert ready.json()["checks"] == {"database": "ok", "broker": "ok", "store": "ok"}
     spec = client.get("/openapi.json").json()
     assert (
         "/v1/jobs" in spec["paths"]
@@ -75,7 +75,7 @@ def test_readyz_503_when_database_is_not_migrated(settings: Settings, tmp_path: 
     with TestClient(create_app(bare)) as c:
         ready = c.get("/readyz")
         body = assert_problem(ready, 503)
-        assert body["checks"] == {"database": "unavailable", "broker": "ok"}
+        assert body["checks"] == {"database": "unavailable", "broker": "ok", "store": "ok"}
         assert ready.headers["retry-after"] == "5"
         assert "alembic_version" not in ready.text and "sqlite" not in ready.text.lower()
 

@@ -88,6 +88,6 @@ def test_readyz_503_when_redis_is_down(settings: Settings) -> None:
         body = assert_problem(ready, 503)
         assert "broker" in body["detail"] and ready.headers["retry-after"] == "5"
         # Which dependency failed, never the exception text (that goes to the log).
-        assert body["checks"] == {"database": "ok", "broker": "unavailable"}
+        assert body["checks"] == {"database": "ok", "broker": "unavailable", "store": "ok"}
         assert "127.0.0.1" not in ready.text and "refused" not in ready.text.lower()
         assert 'higgs_queue_depth{queue="higgs"} -1.0' in c.get("/metrics", headers=METRICS_AUTH).text

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.manifest import sha256_file
+from app.artifacts.store import uri_path
 from app.db.models import Job
 from app.jobs import state
 from app.settings import Settings
@@ -54,7 +55,7 @@ def test_job_runs_to_success_with_checksummed_artifacts(
     assert len(job.layers) == len(job.report["layers"]) > 0
     assert sorted(a.format for a in job.artifacts) == ["dequantized", "native"]
     for art in job.artifacts:
-        root = Path(art.root)
+        root = uri_path(art.uri)
         assert root.is_relative_to(settings.artifacts_path / job_id)
         on_disk = {p.relative_to(root).as_posix() for p in files_under(root)}
         assert on_disk == {f.path for f in art.files}
