@@ -169,6 +169,7 @@ PROVIDED_BY = {
     "prometheus_client": "prometheus-client",
     "psycopg": "psycopg",
     "huggingface_hub": "huggingface_hub",
+    "botocore": "boto3",
 }
 OWN = {"app", "worker", "higgs_engine", "higgs_cli", "migrations"}
 

@@ -137,7 +137,11 @@ def test_unreachable_store_puts_the_job_back_until_it_answers(
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
     sent: list[str] = []
-    send = lambda j: sent.append(j) or True  # noqa: E731
+
+    def send(job: str) -> bool:
+        sent.append(job)
+        return True
+
     down = settings.model_copy(
         update={
             "artifacts_url": "s3://higgs/p",
