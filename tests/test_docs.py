@@ -4,6 +4,7 @@ repository points at design notes outside it."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -51,26 +52,33 @@ def test_docs_exist() -> None:
         assert (ROOT / "docs" / name).stat().st_size > 1000, name
 
 
-SKIP_DIRS = {".git", ".venv", "data", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache"}
+SKIP_DIRS = {
+    ".git", ".venv", "data", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache",
+    ".hypothesis", "build", "dist",
+}
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".ini", ".cfg", ".sh", ""}
 
 
 def repository_text_files() -> list[Path]:
     """Source and documentation files of the checkout (no git needed), without environments,
     data, caches, build metadata (*.egg-info, written by an editable install) or benchmark
-    outputs."""
+    outputs. Skipped folders are not entered at all."""
     out = []
-    for path in sorted(ROOT.rglob("*")):
-        rel = path.relative_to(ROOT)
-        if any(
-            part in SKIP_DIRS or part.startswith(".pytest") or part.endswith(".egg-info")
-            for part in rel.parts[:-1]
-        ):
-            continue
-        if rel.parts[0] == "benchmarks" and "results" in rel.parts:
-            continue
-        if path.is_file() and not path.is_symlink() and path.suffix in TEXT_SUFFIXES:
-            out.append(path)
+    for folder, dirs, files in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in SKIP_DIRS
+            and not d.startswith(".pytest")
+            and not d.endswith(".egg-info")
+            and not (rel.parts[:1] == ("benchmarks",) and d == "results")
+            and not Path(folder, d).is_symlink()
+        )
+        for name in sorted(files):
+            path = Path(folder, name)
+            if path.suffix in TEXT_SUFFIXES and not path.is_symlink():
+                out.append(path)
     return out
 
 
