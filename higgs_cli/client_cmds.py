@@ -128,6 +128,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "target": given}
     if options:
         body["options"] = options
+    if getattr(args, "webhook_url", None):
+        body["webhook_url"] = args.webhook_url
     return body
 
 
@@ -364,6 +366,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")
     p.add_argument("--idempotency-key", default=None)
+    p.add_argument(
+        "--webhook-url", default=None, help="POST a signed event here when the job ends"
+    )
     p.add_argument("--wait", action="store_true", help="follow progress until the job ends")
     p.add_argument("--out", default=None, help="with --wait: download the artifact here")
     p.add_argument("--format", default="native", help="artifact format to download (native)")

@@ -48,3 +48,18 @@ def test_env_variables_are_used() -> None:
     out = higgs("download", "abc", "--out", "/tmp/x", env={"HIGGS_API_KEY": "k", "HIGGS_URL": url})
     assert out.returncode == 1 and url in out.stderr
 
+
+
+def test_submit_webhook_url_goes_into_the_request() -> None:
+    from higgs_cli.client_cmds import build_request
+    from higgs_cli.main import build_parser
+
+    parser = build_parser("submit")
+    args = parser.parse_args(["submit", "tiny", "--bits", "4", "--webhook-url", "https://h.example/x"])
+    assert build_request(args) == {
+        "model": {"id": "tiny"},
+        "target": {"bits": 4.0},
+        "webhook_url": "https://h.example/x",
+    }
+    plain = parser.parse_args(["submit", "tiny", "--bits", "4"])
+    assert "webhook_url" not in build_request(plain)
