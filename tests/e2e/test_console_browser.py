@@ -250,6 +250,9 @@ def test_console_in_a_browser(
         assert verify(secret, body, headers["Higgs-Signature"])
         assert not verify(other_secret, body, headers["Higgs-Signature"])
     assert other.get(f"/v1/jobs/{theirs}/webhooks").json()["data"] == []
+    page.goto(f"{stack.url}/ui/#/jobs/{job_id}")  # the job page lists the delivery
+    expect(page.locator("#webhooks-table")).to_contain_text("delivered")
+    expect(page.locator("#webhooks-table")).to_contain_text("HTTP 200")
 
     # --- Preview once the model has a profile (an avg_bits job makes one): the predicted
     # quality-against-bits curve with the chosen point marked.

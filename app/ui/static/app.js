@@ -442,6 +442,30 @@ function renderJob(job) {
   $("job-failure").textContent = job.error ? `Failed (${job.error.code}): ${job.error.message}` : "";
   if (job.status === "succeeded") renderResult(job);
   else $("job-result").hidden = true;
+  renderWebhooks(job);
+}
+
+// The job's webhook deliveries (GET /v1/jobs/{id}/webhooks), while it has a webhook_url.
+async function renderWebhooks(job) {
+  const section = $("job-webhooks");
+  section.hidden = !job.webhook_url;
+  if (!job.webhook_url) return;
+  $("webhook-target").textContent = `Events go to ${job.webhook_url}`;
+  try {
+    const out = await api("GET", `/v1/jobs/${job.id}/webhooks`);
+    const rows = out.data.map((d) => el("tr", {},
+      el("td", {}, d.event),
+      el("td", {}, d.state),
+      el("td", { class: "num" }, d.attempts),
+      el("td", {}, d.last_status_code ? `HTTP ${d.last_status_code}` : d.last_error || "-")));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: "4" }, "No event yet (one is sent when the job ends).")));
+    $("webhooks-table").querySelector("tbody").replaceChildren(...rows);
+    const pending = out.data.some((d) => d.state === "pending") ||
+      (["succeeded", "failed", "cancelled"].includes(job.status) && !out.data.length);
+    if (pending && state.jobId === job.id) setTimeout(() => state.jobId === job.id && renderWebhooks(job), 2000);
+  } catch (_) {
+    /* deliveries are informative only */
+  }
 }
 
 function renderProgress(snap) {
