@@ -33,6 +33,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("higgs_cli.dynamic_cmds", "predicted quality versus size from a profile"),
     "serve": ("higgs_cli.service_cmds", "run the HTTP API and/or a worker"),
     "keys": ("higgs_cli.service_cmds", "manage API keys"),
+    "models": ("higgs_cli.service_cmds", "local model names the API accepts"),
     "submit": ("higgs_cli.client_cmds", "submit a quantization job to a service"),
     "status": ("higgs_cli.client_cmds", "show a job's status"),
     "download": ("higgs_cli.client_cmds", "download a finished job's artifacts"),

@@ -311,7 +311,61 @@ def register_keys(subparsers: Any) -> None:
 
 
 
+def _models_cmd(args: argparse.Namespace) -> int:
+    from app.jobs import local_models
+    from app.jobs.model_ref import ModelRefError
+    from app.jobs.model_ref import resolve_model as check_ref
+
+    names: list[str] = list(getattr(args, "names", []) or [])
+    for name in names:
+        try:
+            check_ref(name, None, None)
+        except ModelRefError as exc:
+            raise CliError(str(exc), 2) from exc
+        if "/" in name:
+            raise CliError(f"{name!r} is a Hub id; only local model names are registered", 2)
+    with _key_sessions(args.data_dir)() as session:
+        if args.models_cmd == "register":
+            have = {r.name for r in local_models.listing(session) if r.holder == local_models.OPERATOR}
+            local_models.register(session, have | set(names), local_models.OPERATOR)
+            print(f"registered {', '.join(names)}")
+        elif args.models_cmd == "unregister":
+            n = local_models.unregister(session, local_models.OPERATOR, names)
+            print(f"unregistered {n} of {len(names)} name(s) (workers' own rows stay)")
+        else:
+            rows = local_models.listing(session)
+            for r in rows:
+                seen = f"seen {r.seen_at:%Y-%m-%d %H:%M:%S}" if r.seen_at else "no expiry"
+                print(f"{r.name}  {r.holder}  {seen}")
+            if not rows:
+                print("no local models registered (workers register their models folder)")
+    return 0
+
+
+def register_models(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "models",
+        help="local model names the API accepts",
+        description="Local model names the API accepts. Workers register the folders of their "
+        "HIGGS_MODELS_DIR themselves; an operator can add names by hand.",
+    )
+    sub = p.add_subparsers(dest="models_cmd", metavar="ACTION")
+    sub.required = True
+    data_dir_help = "data directory (env HIGGS_DATA_DIR, default ./.higgs); HIGGS_DATABASE_URL wins"
+    for action, help_ in (
+        ("register", "accept these local model names (the workers must have them)"),
+        ("unregister", "remove names registered by hand"),
+        ("list", "list registered names and who has them"),
+    ):
+        a = sub.add_parser(action, help=help_)
+        if action != "list":
+            a.add_argument("names", nargs="+", metavar="NAME")
+        a.add_argument("--data-dir", default=None, help=data_dir_help)
+        a.set_defaults(handler=_models_cmd)
+
+
 def register(subparsers: Any) -> None:
     """Add the service verbs to the `higgs` parser (see higgs_cli/main.py)."""
     register_serve(subparsers)
     register_keys(subparsers)
+    register_models(subparsers)

@@ -149,7 +149,11 @@ def broker_depth(settings: Settings) -> int | None:
 
 
 def sweep_once(settings: Settings, requeue_stale: bool = True) -> dict[str, list[str]]:
+    from worker.models import register_local_models
     from worker.sweep import sweep
+
+    # The API accepts local model names from these rows (it needs no models folder itself).
+    register_local_models(sessions_for(settings), settings.models_dir)
 
     return sweep(
         sessions_for(settings),

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
 
 from higgs_engine.errors import ModelNotFoundError, UnsupportedModelError
 
@@ -125,3 +128,26 @@ def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offli
     if not (snap / "config.json").is_file() or not any(snap.glob("*.safetensors")):
         raise UnsupportedModelError(f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint")
     return ModelSource(path=snap, id=repo_id, kind="hub", revision=sha)
+
+
+def register_local_models(sessions: sessionmaker[Session], models_dir: Path | None) -> list[str]:
+    """Tell the API which local models this worker has: the checkpoint folders of models_dir
+    (valid model names with a config.json), registered under "<host>:<models dir>" (rows of
+    names that are gone are removed). Called on every sweep, so the rows stay fresh."""
+    if models_dir is None:
+        return []
+    from app.jobs.local_models import register, scan_models_dir
+    from app.jobs.model_ref import ModelRefError
+    from app.jobs.model_ref import resolve_model as check_ref
+
+    names = []
+    for name in scan_models_dir(models_dir):
+        try:
+            check_ref(name, None, None)
+        except ModelRefError:
+            continue
+        names.append(name)
+    holder = f"{socket.gethostname()}:{models_dir}"[:255]
+    with sessions() as s:
+        register(s, names, holder)
+    return names

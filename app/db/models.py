@@ -207,3 +207,17 @@ class WebhookDelivery(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class LocalModel(Base):
+    """A model name some worker can read from its models directory (or that an operator
+    registered): the API checks submitted names here, never on its own disk
+    (app.jobs.local_models)."""
+
+    __tablename__ = "local_models"
+
+    name: Mapped[str] = mapped_column(String(96), primary_key=True)
+    # Who has it: "<host>:<models dir>" of a worker, or "operator".
+    holder: Mapped[str] = mapped_column(String(255), primary_key=True)
+    # Last time the worker registered it; None for an operator's rows (never stale).
+    seen_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 # The character rules of huggingface_hub's validate_repo_id.
 _PART = r"[A-Za-z0-9_.\-]{1,96}"
@@ -49,15 +50,43 @@ def _check_name(model_id: str) -> None:
         )
 
 
-def resolve_model(model_id: str, revision: str | None, models_dir: Path | None) -> ModelSource:
-    """Check a reference and say where it lives. Local names (no '/') are looked up in
-    models_dir when it is set; otherwise a bare name is a legacy Hub id (e.g. "gpt2")."""
+class LocalNames(Protocol):
+    """The registry of local models the workers have (app.jobs.local_models.Registry)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def any(self) -> bool: ...
+
+
+def resolve_model(
+    model_id: str,
+    revision: str | None,
+    models_dir: Path | None,
+    registry: LocalNames | None = None,
+) -> ModelSource:
+    """Check a reference and say where it lives. A local name (no '/') is a model the
+    workers registered (`registry`, the API's check: no disk needed), or a folder in
+    models_dir when that is set here; with neither, a bare name is a legacy Hub id (e.g.
+    "gpt2") unless the registry lists local models (then it is an unknown local model)."""
     _check_name(model_id)
     if revision is not None and (not _REVISION.fullmatch(revision) or ".." in revision):
         raise ModelRefError(
             "model.revision",
             f"model.revision {revision!r} must be a branch, tag or commit sha "
             "(letters, digits, '-', '_', '.', '/')",
+        )
+    if "/" not in model_id and registry is not None and registry.has(model_id):
+        if revision is not None:
+            raise ModelRefError(
+                "model.revision",
+                f"model.revision {revision!r} applies to Hub models only; {model_id!r} is a local model",
+            )
+        return ModelSource(kind="local", id=model_id, path=None)
+    if "/" not in model_id and models_dir is None and registry is not None and registry.any():
+        raise ModelRefError(
+            "model.id",
+            f"model.id {model_id!r} is not a model this service serves locally (a Hub "
+            "model is named 'owner/name')",
         )
     if "/" not in model_id and models_dir is not None:
         path = models_dir / model_id

@@ -18,6 +18,7 @@ from app.db.models import TERMINAL, Job
 from app.deps import CurrentKey, SessionsDep, SettingsDep
 from app.errors import UnauthorizedError
 from app.jobs import repository, service, state
+from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
 from app.keys.service import KeyCache
 from app.openapi import AUTHENTICATED, problems
@@ -53,7 +54,8 @@ def submit_job(
         ),
     ] = None,
 ) -> JobOut:
-    spec = service.validate_request(body, settings)
+    registry = Registry(sessions, stale_after_s(settings))
+    spec = service.validate_request(body, settings, registry)
     with sessions() as session:
         job, created = service.create_job(
             session,

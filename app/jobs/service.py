@@ -26,7 +26,7 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.jobs import repository, state
-from app.jobs.model_ref import ModelRefError, resolve_model
+from app.jobs.model_ref import LocalNames, ModelRefError, resolve_model
 from app.jobs.schemas import JobCreate, JobOut, Options
 from app.keys.service import AuthKey
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim
@@ -73,10 +73,13 @@ def config_error_field(error: InvalidConfigError, target_kind: str) -> str:
     return "options"
 
 
-def validate_request(req: JobCreate, settings: Settings) -> JobSpec:
-    """Everything checkable before a job exists; ValidationFailedError (422) naming the field."""
+def validate_request(
+    req: JobCreate, settings: Settings, registry: LocalNames | None = None
+) -> JobSpec:
+    """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
+    `registry`: the local models the workers registered (the API needs no models folder)."""
     try:
-        resolve_model(req.model.id, req.model.revision, settings.models_dir)
+        resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
 

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
+from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.model_ref import ModelRefError, resolve_model
 from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, Target
 from app.jobs.service import config_error_field
@@ -91,7 +92,12 @@ def _check(req: PlanCreate, settings: Settings) -> None:
 
 def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -> dict[str, Any]:
     try:
-        resolve_model(req.model.id, req.model.revision, settings.models_dir)
+        resolve_model(
+            req.model.id,
+            req.model.revision,
+            settings.models_dir,
+            Registry(sessions, stale_after_s(settings)),
+        )
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
     _check(req, settings)
