@@ -19,6 +19,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("memory", "memory.py"),
     ("dynamic", "dynamic.py"),
     ("allocator_speed", "allocator_speed.py"),
+    ("service_api", "service_bench.py --api-only"),
     ("service", "service_bench.py"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
