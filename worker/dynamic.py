@@ -22,7 +22,6 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.plans.planner import DYNAMIC_TARGETS
 from app.plans.profiles import find_profiles, profile_payload, store_profile
 from app.settings import Settings
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
@@ -93,10 +92,6 @@ class ProfileSettings:
             raise InvalidConfigError(
                 f"the profile calibration text {str(self.text_file)!r} cannot be read: {e}"
             ) from e
-
-
-def is_dynamic(config: dict[str, Any]) -> bool:
-    return any(k in DYNAMIC_TARGETS for k in (config.get("target") or {}))
 
 
 def profile_revision(source: ModelSource) -> str:

@@ -18,6 +18,7 @@ Directory layout under artifacts_dir:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -44,11 +45,12 @@ from app.artifacts.store import (
 )
 from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
+from app.jobs.job_config import JobConfig
+from app.jobs.rows import ArtifactRow
 from app.settings import Settings
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
-from higgs_engine.planning.config import HiggsConfig
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
-from worker.dynamic import ProfileSettings, annotate_uniform, is_dynamic, quantize_dynamic
+from worker.dynamic import ProfileSettings, annotate_uniform, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full, message_roots, public_message, storage_error_text
 
@@ -279,7 +281,7 @@ def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
         (artifacts_dir / job_id).rmdir()
 
 
-def artifact_rows(final: Path, formats: list[str]) -> list[dict[str, Any]]:
+def artifact_rows(final: Path, formats: list[str]) -> list[ArtifactRow]:
     rows = manifest_rows({fmt: final / fmt for fmt in formats if (final / fmt).is_dir()})
     if not rows:
         raise HiggsError(f"the engine wrote none of the requested formats {formats}")
@@ -376,10 +378,7 @@ def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id:
             cfg.store.check()
             cfg.store.clear_job(job_id, keep=None)
         with heartbeating(writer, cfg.heartbeat_interval_s):
-            _run_attempt(
-                sessions, job_id, worker_id, cfg, writer, staging,
-                claimed.model_id, claimed.request, claimed.config, claimed.pinned,
-            )
+            _run_attempt(Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed))
         storage_recovered()
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
@@ -533,16 +532,16 @@ def _wait_for_store(
 def _upload(
     store: ArtifactStore, out: Path, job_id: str, attempt_name: str, formats: list[str],
     writer: ProgressWriter,
-) -> tuple[str, list[dict[str, Any]]]:
+) -> tuple[str, list[ArtifactRow]]:
     """Hash the engine's output (sha256 per file, computed here: S3 has no whole-object
     SHA-256 for multipart uploads) and upload it under the attempt's URI, which no artifact
     row names yet. Returns (attempt URI, artifact rows naming it)."""
     rows = artifact_rows(out, formats)
     uri = store.attempt_uri(job_id, attempt_name)
     files = [
-        UploadFile(f"{row['format']}/{f['path']}", out / row["format"] / f["path"], f["sha256"])
+        UploadFile(f"{row.format}/{f.path}", out / row.format / f.path, f.sha256)
         for row in rows
-        for f in row["files"]
+        for f in row.files
     ]
     done = 0
 
@@ -555,24 +554,31 @@ def _upload(
     if not store.upload(uri, files, should_stop):
         raise CancelledError("cancelled while uploading the artifacts")
     writer("uploading", len(files), len(files))
-    for row in rows:
-        row["uri"] = join_uri(uri, row["format"])
-        del row["root"]
-    return uri, rows
+    return uri, [dataclasses.replace(row, uri=join_uri(uri, row.format)) for row in rows]
 
 
-def _run_attempt(
-    sessions: SessionFactory,
-    job_id: str,
-    worker_id: str,
-    cfg: RunnerConfig,
-    writer: ProgressWriter,
-    staging: Path,
-    model_id: str,
-    request: dict[str, Any],
-    config: dict[str, Any],
-    pinned: str | None,
-) -> Path:
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt at a job: where it records (sessions, job, worker), how it runs (the
+    runner's config), where it reports progress and writes files, and what was claimed."""
+
+    sessions: SessionFactory
+    job_id: str
+    worker_id: str
+    cfg: RunnerConfig
+    writer: ProgressWriter
+    staging: Path
+    claimed: _Claimed
+
+
+def _run_attempt(attempt: Attempt) -> Path:
+    sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
+    cfg, writer, staging = attempt.cfg, attempt.writer, attempt.staging
+    model_id, request, pinned = (
+        attempt.claimed.model_id,
+        attempt.claimed.request,
+        attempt.claimed.pinned,
+    )
     from higgs_engine.pipeline import quantize_checkpoint
     from worker.models import resolve_model
 
@@ -596,8 +602,9 @@ def _run_attempt(
         retry_db(record_revision, f"model revision of job {job_id}", cfg.db_retry_s)
     if writer("resolving", 1, 1) is False:
         raise CancelledError("cancelled after the model was resolved")
-    engine_cfg = HiggsConfig.from_dict(config["engine"])
-    evaluate = bool(config.get("evaluate"))
+    job_cfg = JobConfig.load(attempt.claimed.config)
+    engine_cfg = job_cfg.higgs_config()
+    evaluate = job_cfg.evaluate
     if evaluate and "native" not in engine_cfg.formats:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     if evaluate and cfg.eval_text_file is None:
@@ -607,12 +614,12 @@ def _run_attempt(
     out = staging / "out"
     t0 = time.perf_counter()
 
-    if is_dynamic(config):
+    if job_cfg.is_dynamic:
         if cfg.profiles is None:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
         menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
-            sessions, source, requested, out, engine_cfg, dict(config["target"]), menu_p,
+            sessions, source, requested, out, engine_cfg, dict(job_cfg.target), menu_p,
             cfg.profiles, writer, device=cfg.device,
         )
     else:

@@ -7,7 +7,8 @@ import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+
+from app.jobs.rows import ArtifactRow, FileRow
 
 CHUNK = 1 << 20
 
@@ -42,10 +43,8 @@ def _files(root: Path) -> list[Path]:
     return paths
 
 
-def artifact_rows(dirs: Mapping[str, Path]) -> list[dict[str, Any]]:
-    """The artifact rows app.jobs.state.succeed() takes, one per {format: directory}:
-
-    {"format", "root" (absolute), "files": [{"path", "bytes", "sha256"}], "total_bytes", "sha256"}
+def artifact_rows(dirs: Mapping[str, Path]) -> list[ArtifactRow]:
+    """The artifact rows app.jobs.state.succeed() takes, one per {format: directory}.
 
     Every file of every format is hashed in one thread pool (hashlib releases the GIL on large
     buffers, so the formats and the shards of a model hash side by side)."""
@@ -56,22 +55,22 @@ def artifact_rows(dirs: Mapping[str, Path]) -> list[dict[str, Any]]:
         digest = dict(zip(paths, pool.map(sha256_file, paths), strict=True))
     rows = []
     for fmt, root in roots.items():
-        files: list[dict[str, Any]] = [
-            {"path": p.relative_to(root).as_posix(), "bytes": p.stat().st_size, "sha256": digest[p]}
+        files = tuple(
+            FileRow(p.relative_to(root).as_posix(), p.stat().st_size, digest[p])
             for p in listed[fmt]
-        ]
+        )
         rows.append(
-            {
-                "format": fmt,
-                "root": str(root),
-                "files": files,
-                "total_bytes": sum(f["bytes"] for f in files),
-                "sha256": manifest_sha256((f["path"], f["sha256"]) for f in files),
-            }
+            ArtifactRow(
+                format=fmt,
+                uri=root.as_uri(),
+                files=files,
+                total_bytes=sum(f.bytes for f in files),
+                sha256=manifest_sha256((f.path, f.sha256) for f in files),
+            )
         )
     return rows
 
 
-def artifact_row(format: str, root: Path) -> dict[str, Any]:
+def artifact_row(format: str, root: Path) -> ArtifactRow:
     """The artifact row of one format directory (see artifact_rows)."""
     return artifact_rows({format: root})[0]

@@ -20,12 +20,12 @@ from app.db.base import utcnow
 from app.db.models import STATUSES, Job, JobLayer
 from app.errors import (
     ConflictError,
-    NotFoundError,
     NotSupportedError,
     QuotaExceededError,
     ValidationFailedError,
 )
 from app.jobs import repository, state
+from app.jobs.job_config import JobConfig
 from app.jobs.model_ref import LocalNames, ModelRefError, resolve_model
 from app.jobs.schemas import JobCreate, JobOut, Options
 from app.keys.service import AuthKey
@@ -35,13 +35,8 @@ from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 
-JOB_CONFIG_VERSION = 1
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
-
-
-class JobNotFound(NotFoundError):
-    code = "job_not_found"
 
 
 class ReportNotReadyError(ConflictError):
@@ -58,7 +53,7 @@ class JobSpec:
 
     request: dict[str, Any]
     request_hash: str
-    config: dict[str, Any]
+    config: JobConfig
     model_id: str
     webhook_url: str | None = None
 
@@ -148,12 +143,7 @@ def validate_request(
     return JobSpec(
         request=request,
         request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
-        config={
-            "version": JOB_CONFIG_VERSION,
-            "engine": cfg.to_dict(),
-            "target": {kind: value},
-            "evaluate": opts.evaluate,
-        },
+        config=JobConfig(engine=cfg.to_dict(), target={kind: value}, evaluate=opts.evaluate),
         model_id=req.model.id,
         webhook_url=webhook_url,
     )
@@ -220,7 +210,7 @@ def create_job(
         idempotency_key=idempotency_key,
         request_hash=spec.request_hash,
         request=spec.request,
-        config=spec.config,
+        config=spec.config.to_dict(),
         model_id=spec.model_id,
         webhook_url=spec.webhook_url,
         created_at=now,
@@ -243,7 +233,7 @@ def create_job(
 def get_job(session: Session, key: AuthKey, job_id: str) -> Job:
     job = repository.get_owned(session, key.id, job_id)
     if job is None:
-        raise JobNotFound(f"job {job_id!r} not found")
+        raise state.JobNotFoundError(job_id)
     return job
 
 

@@ -34,6 +34,7 @@ from app.db.models import (
     JobLayer,
 )
 from app.errors import ConflictError, NotFoundError
+from app.jobs.rows import ArtifactRow, InvalidRowError, LayerRow
 
 MAX_MESSAGE_CHARS = 4000
 WORKER_LOST = "worker_lost"
@@ -45,6 +46,8 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class JobNotFoundError(NotFoundError):
+    """No job with this id (for this key): the one not-found error of jobs, 404 job_not_found."""
+
     code = "job_not_found"
 
     def __init__(self, job_id: str) -> None:
@@ -69,10 +72,6 @@ class JobCancelRequestedError(IllegalTransitionError):
     calls mark_cancelled()."""
 
     code = "cancel_requested"
-
-
-class InvalidRowError(ValueError):
-    """A layer or artifact row handed to succeed() is malformed (a bug in the caller)."""
 
 
 @dataclass
@@ -261,57 +260,38 @@ def _check_rel_path(path: str) -> str:
     return path
 
 
-def _layer_row(job_id: str, idx: int, row: Mapping[str, Any]) -> JobLayer:
-    try:
-        return JobLayer(
-            job_id=job_id,
-            idx=idx,
-            name=str(row["name"]),
-            shape=[int(x) for x in row["shape"]],
-            p=int(row["p"]),
-            n=int(row["n"]),
-            bits=float(row["bits"]),
-            rel_error=None if row.get("rel_error") is None else float(row["rel_error"]),
-            alpha=None if row.get("alpha") is None else float(row["alpha"]),
-            bytes=int(row.get("bytes", 0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidRowError(f"layer row {idx} ({dict(row)!r}) is malformed: {e}") from e
+def _layer_row(job_id: str, idx: int, row: LayerRow) -> JobLayer:
+    return JobLayer(
+        job_id=job_id,
+        idx=idx,
+        name=row.name,
+        shape=list(row.shape),
+        p=row.p,
+        n=row.n,
+        bits=row.bits,
+        rel_error=row.rel_error,
+        alpha=row.alpha,
+        bytes=row.bytes,
+    )
 
 
-def _root_uri(root: str) -> str:
-    if not Path(root).is_absolute():
-        raise InvalidRowError(f"artifact root {root!r} must be an absolute path")
-    return Path(root).as_uri()
-
-
-def _artifact_row(job_id: str, row: Mapping[str, Any]) -> Artifact:
-    try:
-        fmt = str(row["format"])
-        # "uri": a store URI (file:// or s3://); "root": an absolute local directory.
-        uri = str(row["uri"]) if "uri" in row else _root_uri(str(row["root"]))
-        files = []
-        for f in row["files"]:
-            sha = str(f["sha256"])
-            if not _SHA256.match(sha):
-                raise InvalidRowError(f"sha256 {sha!r} of {f.get('path')!r} is not 64 hex digits")
-            size = int(f["bytes"])
-            if size < 0:
-                raise InvalidRowError(f"bytes={size} of {f.get('path')!r} is negative")
-            files.append(ArtifactFile(path=_check_rel_path(str(f["path"])), bytes=size, sha256=sha))
-    except (KeyError, TypeError) as e:
-        raise InvalidRowError(f"artifact row {dict(row)!r} is malformed: {e}") from e
-    if not re.match(r"^(file:///|s3://[^/]+/)", uri):
-        raise InvalidRowError(f"artifact URI {uri!r} must be file:///... or s3://bucket/...")
+def _artifact_row(job_id: str, row: ArtifactRow) -> Artifact:
+    files = []
+    for f in row.files:
+        if not _SHA256.match(f.sha256):
+            raise InvalidRowError(f"sha256 {f.sha256!r} of {f.path!r} is not 64 hex digits")
+        if f.bytes < 0:
+            raise InvalidRowError(f"bytes={f.bytes} of {f.path!r} is negative")
+        files.append(ArtifactFile(path=_check_rel_path(f.path), bytes=f.bytes, sha256=f.sha256))
+    if not re.match(r"^(file:///|s3://[^/]+/)", row.uri):
+        raise InvalidRowError(f"artifact URI {row.uri!r} must be file:///... or s3://bucket/...")
     files.sort(key=lambda f: f.path)
-    from app.artifacts.manifest import manifest_sha256
-
     return Artifact(
         job_id=job_id,
-        format=fmt,
-        uri=uri,
-        total_bytes=int(row.get("total_bytes", sum(f.bytes for f in files))),
-        sha256=str(row.get("sha256") or manifest_sha256((f.path, f.sha256) for f in files)),
+        format=row.format,
+        uri=row.uri,
+        total_bytes=row.total_bytes,
+        sha256=row.sha256,
         files=files,
     )
 
@@ -320,18 +300,17 @@ def succeed(
     session: Session,
     job_id: str,
     report: Mapping[str, Any],
-    layers: Sequence[Mapping[str, Any]] | None = None,
-    artifacts: Sequence[Mapping[str, Any]] | None = None,
+    layers: Sequence[LayerRow] | None = None,
+    artifacts: Sequence[ArtifactRow] = (),
     *,
     worker_id: str | None = None,
     model_revision: str | None = None,
     summary: Mapping[str, Any] | None = None,
 ) -> Job:
     """running -> succeeded, storing the report, per-layer rows and artifact rows in ONE
-    transaction. `layers` default to report["layers"]; each artifact row is
-    {"format", "uri" (store URI; or "root": an absolute dir), "files": [{"path", "bytes",
-    "sha256"}]} (see
-    app.artifacts.manifest.artifact_row). Raises JobCancelRequestedError when the user asked
+    transaction. `layers` default to the rows of report["layers"] (LayerRow.from_report); the
+    artifact rows come from app.artifacts.manifest.artifact_rows (a local directory's
+    file:// URI; the runner names the store's URI after an upload). Raises JobCancelRequestedError when the user asked
     to cancel meanwhile, IllegalTransitionError when the job is not running (for this worker)."""
     now = utcnow()
     job = _get(session, job_id)
@@ -343,9 +322,10 @@ def succeed(
     if job.status != RUNNING or (worker_id is not None and job.worker_id != worker_id):
         session.rollback()
         raise IllegalTransitionError(job_id, job.status, "succeed")
-    layer_rows = list(report.get("layers", [])) if layers is None else list(layers)
-    new_layers = [_layer_row(job_id, i, row) for i, row in enumerate(layer_rows)]
-    new_artifacts = [_artifact_row(job_id, row) for row in (artifacts or [])]
+    if layers is None:
+        layers = [LayerRow.from_report(i, row) for i, row in enumerate(report.get("layers", []))]
+    new_layers = [_layer_row(job_id, i, row) for i, row in enumerate(layers)]
+    new_artifacts = [_artifact_row(job_id, row) for row in artifacts]
     values: dict[str, Any] = {
         "status": SUCCEEDED,
         "report": dict(report),

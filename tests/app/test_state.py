@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -9,9 +10,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.artifacts.manifest import manifest_sha256
 from app.db.base import utcnow
 from app.db.models import Artifact, ArtifactFile, Job, JobLayer
 from app.jobs import state
+from app.jobs.rows import ArtifactRow, FileRow
 from tests.app.factories import make_job, make_key
 
 SHA = "ab" * 32
@@ -55,12 +58,14 @@ def key_id(s: Session) -> str:
     return make_key(s)[0].id
 
 
-def artifact(tmp_path, fmt: str = "native") -> dict:
-    return {
-        "format": fmt,
-        "root": str(tmp_path / fmt),
-        "files": [{"path": "a.bin", "bytes": 3, "sha256": SHA}],
-    }
+def artifact(tmp_path, fmt: str = "native", path: str = "a.bin", sha: str = SHA) -> ArtifactRow:
+    return ArtifactRow(
+        format=fmt,
+        uri=(tmp_path / fmt).as_uri(),
+        files=(FileRow(path, 3, sha),),
+        total_bytes=3,
+        sha256=manifest_sha256([(path, sha)]),
+    )
 
 
 def test_claim_is_compare_and_set(s: Session, key_id: str) -> None:
@@ -141,17 +146,14 @@ def test_succeed_stores_report_layers_artifacts_in_one_go(
 def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, tmp_path) -> None:
     job = make_job(s, key_id)
     state.claim(s, job.id, "w1")
-    bad_path = artifact(tmp_path)
-    bad_path["files"][0]["path"] = "../etc/passwd"
-    bad_sha = artifact(tmp_path)
-    bad_sha["files"][0]["sha256"] = "xyz"
-    relative_root = artifact(tmp_path)
-    relative_root["root"] = "relative/dir"
+    bad_path = artifact(tmp_path, path="../etc/passwd")
+    bad_sha = artifact(tmp_path, sha="xyz")
+    relative_root = dataclasses.replace(artifact(tmp_path), uri="relative/dir")
     for rows in ([bad_path], [bad_sha], [relative_root]):
         with pytest.raises(state.InvalidRowError):
             state.succeed(s, job.id, REPORT, None, rows)
-    with pytest.raises(state.InvalidRowError):
-        state.succeed(s, job.id, REPORT, [{"name": "x"}], [])
+    with pytest.raises(state.InvalidRowError):  # the report's layer rows are checked too
+        state.succeed(s, job.id, {**REPORT, "layers": [{"name": "x"}]}, None, [])
     row = s.get(Job, job.id, populate_existing=True)
     assert row is not None and row.status == "running"
     assert s.scalar(select(func.count()).select_from(ArtifactFile)) == 0

@@ -5,6 +5,7 @@ headers, archives, presigned redirects, 500 for a lost object, 503 for a store t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -206,10 +207,9 @@ def s3_job(
     row = artifact_row("native", local)
     store = store_from_settings(s3_settings)
     uri = store.attempt_uri(jid, "1.test")
-    ups = [UploadFile(f"native/{f['path']}", local / f["path"], f["sha256"]) for f in row["files"]]
+    ups = [UploadFile(f"native/{f.path}", local / f.path, f.sha256) for f in row.files]
     assert store.upload(uri, ups, should_stop=lambda: False)
-    del row["root"]
-    row["uri"] = join_uri(uri, "native")
+    row = dataclasses.replace(row, uri=join_uri(uri, "native"))
     with sessions() as s:
         state.claim(s, jid, "w")
         state.succeed(s, jid, {"bits_per_weight": 4.1, "layers": []}, [], [row])

@@ -1,0 +1,43 @@
+"""The stored job config: the shapes jobs.config has held load, anything else is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.jobs.job_config import JobConfig
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning.config import HiggsConfig
+
+ENGINE = HiggsConfig(p=2, n=16).to_dict()
+
+
+def test_the_stored_version_1_shape_loads_and_round_trips() -> None:
+    stored = {"version": 1, "engine": ENGINE, "target": {"bits": 2.0}, "evaluate": True}
+    cfg = JobConfig.load(stored)
+    assert cfg.to_dict() == stored
+    assert (cfg.target_kind, cfg.target_value, cfg.is_dynamic) == ("bits", 2.0, False)
+    assert cfg.higgs_config() == HiggsConfig(p=2, n=16)
+
+
+def test_an_early_row_without_evaluate_loads_as_false() -> None:
+    cfg = JobConfig.load({"version": 1, "engine": ENGINE, "target": {"avg_bits": 3.5}})
+    assert cfg.evaluate is False and cfg.is_dynamic and cfg.target_value == 3.5
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"version": 2, "engine": ENGINE, "target": {"bits": 2.0}},
+        {"engine": ENGINE, "target": {"bits": 2.0}},
+        {"version": 1, "engine": ENGINE, "target": {"bits": 2.0, "avg_bits": 3.0}},
+        {"version": 1, "engine": ENGINE, "target": {"size": 2.0}},
+        {"version": 1, "engine": {**ENGINE, "p": 3}, "target": {"bits": 2.0}},
+        {"version": 1, "engine": ENGINE, "target": {"bits": 2.0}, "extra": 1},
+    ],
+)
+def test_anything_else_is_refused_naming_the_config(stored: dict[str, Any]) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        JobConfig.load(stored)
+    assert info.value.field == "config"
