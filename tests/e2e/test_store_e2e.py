@@ -1,6 +1,7 @@
 """End to end on an S3 store: an API and two Celery workers with separate data directories
-(no shared disk for artifacts), PostgreSQL and Redis, and a real S3 server (SeaweedFS). Jobs
-spread over the workers; every artifact file is downloaded through the API and checked
+(no shared disk: the API has no models folder and accepts the local model the workers
+registered from theirs; artifacts go to the store), PostgreSQL and Redis, and a real S3
+server (SeaweedFS). Jobs spread over the workers; every artifact file is downloaded through the API and checked
 against its sha256; the bucket holds exactly the listed objects and no open multipart upload;
 nothing is left on any process's disk."""
 
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devtools.stack import Stack
+from devtools.stack import HIGGS, Stack
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under
 
@@ -40,19 +41,33 @@ def test_jobs_publish_to_s3_and_download_through_the_api(
     stack: Stack = stack_factory("redis-postgres")
     prefix = f"e2e-{uuid.uuid4().hex[:8]}"
     stack.env.update({**s3_server.env, "HIGGS_ARTIFACTS_URL": f"s3://{s3_server.bucket}/{prefix}"})
+    models_dir = stack.env.pop("HIGGS_MODELS_DIR")  # the workers' disk only
     stack.migrate()
     workers = [stack.tmp / f"worker{i}" for i in range(2)]
     for d in workers:
-        stack.start_worker({"HIGGS_DATA_DIR": str(d)})
+        stack.start_worker({"HIGGS_DATA_DIR": str(d), "HIGGS_MODELS_DIR": models_dir})
     stack.start_api()
     key = stack.create_key()
+    body = {"model": {"id": MODEL}, "target": {"bits": 4}}
     with stack.client(key) as c:
         assert c.get("/readyz").json()["checks"]["store"] == "ok"
-        ids = []
-        for _ in range(4):
-            r = c.post("/v1/jobs", json={"model": {"id": MODEL}, "target": {"bits": 4}})
+        # The workers register their models folder on their first sweep; until then a bare
+        # name would be taken for a Hub id.
+        deadline = time.monotonic() + 90
+        while f"{MODEL}  " not in stack.run([*HIGGS, "models", "list"]).stdout:
+            assert time.monotonic() < deadline, f"no worker registered {MODEL}:\n{stack.logs()}"
+            time.sleep(0.5)
+        r = c.post("/v1/jobs", json=body)
+        assert r.status_code == 202, r.text
+        ids = [r.json()["id"]]
+        for _ in range(3):
+            r = c.post("/v1/jobs", json=body)
             assert r.status_code == 202, r.text
             ids.append(r.json()["id"])
+        assert (
+            c.post("/v1/jobs", json={**body, "model": {"id": "not-on-any-worker"}}).status_code
+            == 422
+        )
         jobs = poll_all(c, ids, stack)
         assert [j["status"] for j in jobs] == ["succeeded"] * 4, jobs
         listed: set[str] = set()
