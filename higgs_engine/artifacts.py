@@ -29,6 +29,7 @@ from higgs_engine.checkpoint import (
     LayerSpec,
     build_meta_model,
     load_config,
+    match_key,
     model_class,
     resolve_source,
     tokenizer_files,
@@ -329,14 +330,8 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
-    """Map a stored tensor name to the model's (checkpoints may omit the base-model prefix)."""
-    if key in model_keys or not prefix:
-        return key
-    if f"{prefix}.{key}" in model_keys:
-        return f"{prefix}.{key}"
-    if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in model_keys:
-        return key[len(prefix) + 1 :]
-    return key
+    """Map a stored tensor name to the model's (checkpoint.match_key; unchanged if none)."""
+    return match_key(key, model_keys, prefix) or key
 
 
 def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:

@@ -552,7 +552,9 @@ def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
-def _match_key(key: str, keys: set[str], prefix: str) -> str | None:
+def match_key(key: str, keys: set[str], prefix: str) -> str | None:
+    """The name in `keys` that a stored tensor name stands for (checkpoints may omit, or add,
+    the base-model prefix such as "model"), or None."""
     if key in keys:
         return key
     if prefix and key.startswith(prefix + "."):
@@ -588,12 +590,12 @@ def layer_specs(
         bias = getattr(mod, "bias", None)
         bias_key: str | None = f"{name}.bias" if bias is not None else None
         if keys is not None:
-            matched = _match_key(key, keys, prefix)
+            matched = match_key(key, keys, prefix)
             if matched is None:
                 raise CorruptCheckpointError(f"checkpoint has no tensor for layer weight {key!r}")
             key = matched
             if bias_key is not None:
-                bias_key = _match_key(bias_key, keys, prefix)
+                bias_key = match_key(bias_key, keys, prefix)
         specs.append(LayerSpec(name, key, out_f, in_f, transposed, bias_key))
     if not specs:
         raise UnsupportedModelError(f"{type(model).__name__} has no linear layers to quantize")

@@ -21,8 +21,7 @@ import torch
 from higgs_engine.errors import InvalidConfigError
 
 # block_layout lives in a torch-free module (the allocator and the API use it); re-exported here.
-from higgs_engine.planning.layout import block_layout
-from higgs_engine.planning.layout import is_power_of_two as _is_power_of_two
+from higgs_engine.planning.layout import block_layout, is_power_of_two
 
 __all__ = [
     "block_layout",
@@ -37,7 +36,7 @@ __all__ = [
 
 
 def check_layout(layout: Sequence[int], width: int) -> None:
-    if not layout or any(not _is_power_of_two(int(h)) for h in layout) or sum(layout) != width:
+    if not layout or any(not is_power_of_two(int(h)) for h in layout) or sum(layout) != width:
         raise InvalidConfigError(
             f"layout {list(layout)} must be power-of-two blocks summing to the width {width}"
         )
@@ -54,7 +53,7 @@ def _sylvester(h: int) -> torch.Tensor:
 
 def hadamard_matrix(h: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The normalised Hadamard matrix H_h / sqrt(h) (symmetric, orthonormal)."""
-    if not _is_power_of_two(h):
+    if not is_power_of_two(h):
         raise InvalidConfigError(f"Hadamard size {h} must be a power of two")
     return (_sylvester(h) / math.sqrt(h)).to(dtype)
 
@@ -78,7 +77,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def fht(x: torch.Tensor) -> torch.Tensor:
     """Normalised Walsh-Hadamard transform along the last dim (a power of two), fast path."""
     h = x.shape[-1]
-    if not _is_power_of_two(h):
+    if not is_power_of_two(h):
         raise InvalidConfigError(f"last dim {h} must be a power of two for the Hadamard transform")
     out_dtype = x.dtype
     cd = _compute_dtype(x.dtype)

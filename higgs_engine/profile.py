@@ -53,7 +53,7 @@ def random_windows(vocab_size: int, config: ProfileConfig) -> torch.Tensor:
     return torch.randint(0, vocab_size, (config.windows, config.context), generator=g)
 
 
-class _Runner:
+class BlockReplay:
     """Forward passes of one model over fixed windows, restarting at a decoder block when it can.
 
     Perturbing a layer in decoder block k leaves blocks 0..k-1 unchanged, so their output is
@@ -172,7 +172,7 @@ def _scores(lp: torch.Tensor, targets: torch.Tensor, base_lp: torch.Tensor) -> t
 class _Metric:
     """The profile's metric of the model's current weights, relative to the base weights."""
 
-    def __init__(self, runner: _Runner, metric: str) -> None:
+    def __init__(self, runner: BlockReplay, metric: str) -> None:
         self.runner = runner
         self.metric = metric
         w = runner.windows
@@ -242,7 +242,7 @@ def noise_profile_layers(
     import torch
 
     model.eval()
-    runner = _Runner(model, windows)
+    runner = BlockReplay(model, windows)
     metric = _Metric(runner, config.metric)
     weights = _weights(model, names)
     out = list(done)

@@ -27,6 +27,7 @@ from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_points_reference
 from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
 from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
+from higgs_engine.planning.layout import is_power_of_two
 
 __all__ = [
     "QuantizedMatrix",
@@ -59,10 +60,6 @@ FP16_MAX = 65504.0
 # - "mse-unbiased": the "mse" codes and scale, then rescaled as "unbiased".
 SCALE_RULES = CONFIG_SCALE_RULES
 MSE_MULTIPLIERS: tuple[float, ...] = tuple(round(0.80 + 0.025 * k, 3) for k in range(17))
-
-
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 def group_lengths(layout: Sequence[int], group_size: int) -> list[int]:
@@ -183,12 +180,12 @@ class QuantizedMatrix:
     def validate(self) -> None:
         """Check internal consistency (shapes, dtypes, sizes); CorruptCheckpointError if not."""
         if sum(self.layout) != self.in_features or any(
-            not _is_power_of_two(h) for h in self.layout
+            not is_power_of_two(h) for h in self.layout
         ):
             raise CorruptCheckpointError(
                 f"layout {self.layout} does not cover in_features={self.in_features} with powers of two"
             )
-        if self.n < 2 or not _is_power_of_two(self.n) or self.p < 1 or self.in_features % self.p:
+        if self.n < 2 or not is_power_of_two(self.n) or self.p < 1 or self.in_features % self.p:
             raise CorruptCheckpointError(
                 f"bad grid p={self.p}, n={self.n} for in_features={self.in_features}"
             )
@@ -219,13 +216,13 @@ def _check_inputs(W: torch.Tensor, p: int, n: int, group_size: int, rotation_blo
         raise InvalidConfigError(f"W of shape {tuple(W.shape)} is empty")
     if not isinstance(p, int) or p < 1:
         raise InvalidConfigError(f"p={p!r} must be a positive integer")
-    if not isinstance(n, int) or n < 2 or not _is_power_of_two(n) or n > 1 << 12:
+    if not isinstance(n, int) or n < 2 or not is_power_of_two(n) or n > 1 << 12:
         raise InvalidConfigError(f"n={n!r} must be a power of two in 2..4096")
-    if not isinstance(group_size, int) or not _is_power_of_two(group_size) or group_size < p:
+    if not isinstance(group_size, int) or not is_power_of_two(group_size) or group_size < p:
         raise InvalidConfigError(f"group_size={group_size!r} must be a power of two >= p={p}")
     if group_size % p:
         raise InvalidConfigError(f"group_size={group_size} is not a multiple of p={p}")
-    if not isinstance(rotation_block, int) or not _is_power_of_two(rotation_block):
+    if not isinstance(rotation_block, int) or not is_power_of_two(rotation_block):
         raise InvalidConfigError(f"rotation_block={rotation_block!r} must be a power of two")
     if W.shape[1] % p:
         raise InvalidConfigError(f"in_features={W.shape[1]} is not divisible by p={p}")

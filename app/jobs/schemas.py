@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from higgs_engine.planning.layout import is_power_of_two
+
 Format = Literal["native", "dequantized"]
 _ALL_FORMATS: tuple[Format, ...] = ("native", "dequantized")
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -28,7 +30,7 @@ GridDim = Annotated[int, WithJsonSchema({"type": "integer", "enum": [1, 2]})]
 
 def _power_of_two_in(lo: int, hi: int, what: str) -> Callable[[int], int]:
     def check(v: int) -> int:
-        if not lo <= v <= hi or v & (v - 1):
+        if not lo <= v <= hi or not is_power_of_two(v):
             raise ValueError(f"{what}={v} must be a power of two in {lo}..{hi}")
         return v
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.planning.layout import is_power_of_two
 
 CONFIG_VERSION = 1
 
@@ -34,10 +35,6 @@ def check_grid(p: int, n: int) -> None:
             f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}",
             field="n",
         )
-
-
-def _power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class HiggsConfig:
 
     def __post_init__(self) -> None:
         check_grid(self.p, self.n)
-        if not _power_of_two(self.rotation_block) or not 64 <= self.rotation_block <= 4096:
+        if not is_power_of_two(self.rotation_block) or not 64 <= self.rotation_block <= 4096:
             raise InvalidConfigError(
                 f"rotation_block={self.rotation_block} must be a power of two in 64..4096",
                 field="rotation_block",
@@ -88,7 +85,7 @@ class HiggsConfig:
                 f"group_size={self.group_size} must be a multiple of p={self.p} and at most 4096",
                 field="group_size",
             )
-        if not _power_of_two(self.group_size):
+        if not is_power_of_two(self.group_size):
             raise InvalidConfigError(f"group_size={self.group_size} must be a power of two", field="group_size")
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:

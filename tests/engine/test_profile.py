@@ -13,7 +13,7 @@ import torch
 from higgs_engine.dynamic import calibration_windows, get_profile, load_float_model
 from higgs_engine.errors import CancelledError, InvalidConfigError, ProfileNotFoundError
 from higgs_engine.planning.profile import Profile, ProfileConfig
-from higgs_engine.profile import _Runner, compute_profile, fit_through_origin
+from higgs_engine.profile import BlockReplay, compute_profile, fit_through_origin
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint
 
 CFG = ProfileConfig(context=32, windows=2)
@@ -76,7 +76,7 @@ def test_profile_is_deterministic(ckpt: Path, noise_profile: Profile) -> None:
 def test_replay_from_a_block_matches_the_full_forward(ckpt: Path) -> None:
     model, _ = load_float_model(ckpt)
     windows = calibration_windows(model, None, None, CFG)
-    runner = _Runner(model, windows)
+    runner = BlockReplay(model, windows)
     assert runner.blocks is not None  # llama: the fast path is used
     w = dict(model.named_modules())["model.layers.1.mlp.up_proj"].weight.data
     w.mul_(1.5)  # a changed layer in block 1: replay must see it
