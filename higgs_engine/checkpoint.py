@@ -1,8 +1,9 @@
 """Checkpoint input: resolve a model reference, read safetensors tensor by tensor, and find the
 quantizable layers from the model's own module structure.
 
-Memory: nothing here loads a whole model. `CheckpointReader` memory-maps the safetensors files
-and hands out one tensor at a time; the module structure comes from building the model on the
+Memory: nothing here loads a whole model. `CheckpointReader` parses the safetensors headers
+and reads one tensor at a time into its own buffer with a plain file read (no memory map, see
+its docstring); the module structure comes from building the model on the
 meta device. The one exception is GGUF, which transformers can only load whole: it is converted
 once into a cached safetensors checkpoint, and everything downstream reads that.
 """
