@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,29 +299,50 @@ def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
+_META_PARAMS = threading.local()  # .depth > 0 while this thread builds a model to load
+_HOOK_LOCK = threading.Lock()
+_hook_installed = False
+
+
+def _install_meta_hook() -> None:
+    """Wrap nn.Module.register_parameter once per process so that a parameter registered by a
+    thread inside _params_on_meta() moves to the meta device. Every other thread (and this
+    one outside the block) gets the original behaviour: the hook consults a thread-local
+    flag, so concurrent model construction elsewhere is never affected."""
+    global _hook_installed
+    from torch import nn
+
+    with _HOOK_LOCK:
+        if _hook_installed:
+            return
+        original = nn.Module.register_parameter
+
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            original(module, name, param)
+            if param is not None and getattr(_META_PARAMS, "depth", 0) > 0:
+                p = module._parameters[name]
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(
+                        p.to("meta"), requires_grad=p.requires_grad
+                    )
+
+        nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+        _hook_installed = True
+
+
 @contextlib.contextmanager
 def _params_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device but buffers for real.
+    """Create parameters on the meta device but buffers for real, in this thread only.
 
     Non-persistent buffers (rotary inv_freq, causal masks) are computed in __init__ and never
     stored in a checkpoint, so they must be real; parameters are filled from the artifact.
     """
-    from torch import nn
-
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            if p is not None:
-                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    _install_meta_hook()
+    _META_PARAMS.depth = getattr(_META_PARAMS, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _META_PARAMS.depth -= 1
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:

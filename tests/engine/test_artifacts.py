@@ -172,3 +172,30 @@ def test_native_model_runs_on_cuda(quantized32: dict[str, Path]) -> None:
         with torch.no_grad():
             c = half(_ids().cuda()).logits.float().cpu()
         assert torch.isfinite(c).all()
+
+
+def test_params_on_meta_affects_only_the_loading_thread() -> None:
+    """Building a model to load (parameters on meta) never changes modules other threads
+    construct meanwhile."""
+    import threading
+
+    from higgs_engine.artifacts import _params_on_meta
+
+    inside = threading.Event()
+    release = threading.Event()
+    seen: dict[str, str] = {}
+
+    def loader() -> None:
+        with _params_on_meta():
+            seen["loader"] = torch.nn.Linear(4, 4).weight.device.type
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=loader)
+    t.start()
+    assert inside.wait(10)
+    seen["other"] = torch.nn.Linear(4, 4).weight.device.type  # while the loader is inside
+    release.set()
+    t.join(10)
+    seen["after"] = torch.nn.Linear(4, 4).weight.device.type
+    assert seen == {"loader": "meta", "other": "cpu", "after": "cpu"}
