@@ -40,8 +40,11 @@ from higgs_engine.nearest import nearest_points
 from higgs_engine.packing import pack_codes
 from higgs_engine.quantize import (
     FP16_MAX,
+    SCALE_RULES,
     QuantizedMatrix,
     _check_inputs,
+    _column_groups,
+    _fit_scales,
     _group_rms,
     group_lengths,
 )
@@ -175,8 +178,13 @@ def _higgs_setup(
     rotation_block: int,
     sign_seed: int | None,
     grid: torch.Tensor | None,
+    scale_rule: str = "rms",
 ) -> tuple[list[int], list[int], torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(layout, group lengths, signs, grid float32, rotated W' float64, fp16 scales (out, G))."""
+    """(layout, group lengths, signs, grid float32, rotated W' float64, fp16 scales (out, G)).
+
+    The scales follow `scale_rule` exactly as data-free HIGGS would choose them for W'."""
+    if scale_rule not in SCALE_RULES:
+        raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
     _check_inputs(W, p, n, group_size, rotation_block)
     if not bool(torch.isfinite(W).all()):
         raise InvalidConfigError(f"W has {int((~torch.isfinite(W)).sum())} non-finite values")
@@ -198,7 +206,14 @@ def _higgs_setup(
         raise InvalidConfigError(
             f"a scale group RMS of {float(rms.max()):.4g} exceeds the fp16 range"
         )
-    return layout, lens, signs, g.to(torch.float32), y, rms.to(torch.float16)
+    g32 = g.to(torch.float32)
+    if scale_rule == "rms":
+        s16 = rms.to(torch.float16)
+    else:
+        col_group = _column_groups(lens, torch.device("cpu"))
+        y32 = y.to(torch.float32)
+        s16, _ = _fit_scales(y32, rms, lens, group_size, g32, "auto", col_group, scale_rule)
+    return layout, lens, signs, g32, y, s16.cpu()
 
 
 def _column_scales(scales16: torch.Tensor, lens: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -218,6 +233,7 @@ def _finish(
     codes: torch.Tensor,
     Q: torch.Tensor,
     signs: torch.Tensor | None,
+    scale_rule: str = "rms",
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     out_f, in_f = shape
     q = QuantizedMatrix(
@@ -230,6 +246,7 @@ def _finish(
         sign_seed=sign_seed,
         codes=pack_codes(codes.reshape(-1), int(math.log2(n))),
         scales=scales16,
+        scale_rule=scale_rule,
     )
     w_hat = unrotate(Q.to(torch.float32), layout, signs)  # (out, in) float32
     return q, w_hat
@@ -248,6 +265,7 @@ def gptq_higgs(
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
+    scale_rule: str = "rms",
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     """Calibrated HIGGS of W (out, in) with the input Hessian 2 X^T X / tokens (in, in) of the
     UNROTATED inputs. Returns (q, W_hat float32 (out, in) = dequantize_matrix(q)).
@@ -265,6 +283,7 @@ def gptq_higgs(
         damp=damp,
         block=block,
         dtype=dtype,
+        scale_rule=scale_rule,
     )[0]
 
 
@@ -281,6 +300,7 @@ def gptq_higgs_many(
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
+    scale_rule: str = "rms",
 ) -> list[tuple[QuantizedMatrix, torch.Tensor]]:
     """`gptq_higgs` of several matrices with the same input (q/k/v, gate/up): rows never
     interact in the sweep, so the matrices are stacked and swept once, with one Cholesky."""
@@ -294,7 +314,7 @@ def gptq_higgs_many(
     rows = [int(w.shape[0]) for w in Ws]
     W = Ws[0] if len(Ws) == 1 else torch.cat([w.to(torch.float32) for w in Ws], 0)
     layout, lens, signs, g, y, scales16 = _higgs_setup(
-        W, p, n, group_size, rotation_block, sign_seed, grid
+        W, p, n, group_size, rotation_block, sign_seed, grid, scale_rule
     )
     _check_block(block, p)
     out_f, in_f = W.shape
@@ -330,6 +350,7 @@ def gptq_higgs_many(
                 codes[r0 : r0 + r],
                 Q[r0 : r0 + r],
                 signs,
+                scale_rule,
             )
         )
         r0 += r
@@ -347,13 +368,14 @@ def gptq_higgs_reference(
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
+    scale_rule: str = "rms",
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     """Slow twin of `gptq_higgs` (float64, no Cholesky, no lazy batching): after quantizing
     the tuple S of columns, every remaining column is corrected by the optimal-brain-quantizer
     step  W_R -= (W_S - Q_S) Hinv_SS^{-1} Hinv_SR  and Hinv is replaced by the inverse Hessian
     of the remaining columns, Hinv_RR - Hinv_RS Hinv_SS^{-1} Hinv_SR."""
     layout, lens, signs, g, y, scales16 = _higgs_setup(
-        W, p, n, group_size, rotation_block, sign_seed, grid
+        W, p, n, group_size, rotation_block, sign_seed, grid, scale_rule
     )
     out_f, in_f = W.shape
     _check_hessian(hessian, in_f)
@@ -376,7 +398,9 @@ def gptq_higgs_reference(
         hsr = hinv[:k, k:]
         Wr[:, j + p :] -= d @ torch.linalg.solve(hss, hsr)
         hinv = hinv[k:, k:] - hsr.T @ torch.linalg.solve(hss, hsr)
-    return _finish((out_f, in_f), p, n, group_size, layout, sign_seed, scales16, codes, Q, signs)
+    return _finish(
+        (out_f, in_f), p, n, group_size, layout, sign_seed, scales16, codes, Q, signs, scale_rule
+    )
 
 
 def gptq_rtn(

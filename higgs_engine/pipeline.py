@@ -154,6 +154,7 @@ def calibrate_layers(
                 group_size=config.group_size,
                 rotation_block=config.rotation_block,
                 sign_seed=config.sign_seed,
+                scale_rule=config.scale_rule,
             )
             for i, (q, w_hat) in zip(idx, res, strict=True):
                 out[group[i].name] = q

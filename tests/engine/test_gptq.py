@@ -90,13 +90,23 @@ def test_fast_path_equals_reference(
 
 
 @pytest.mark.parametrize("p,n", GRIDS)
-def test_identity_hessian_gives_data_free_higgs(p: int, n: int) -> None:
+@pytest.mark.parametrize("rule", ["rms", "mse"])
+def test_identity_hessian_gives_data_free_higgs(p: int, n: int, rule: str) -> None:
     w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
     for sign_seed in (None, 7):
         q, w_hat = gptq_higgs(
-            w, torch.eye(192), p, n, 64, 128, sign_seed, damp=0.0, dtype=torch.float64
+            w,
+            torch.eye(192),
+            p,
+            n,
+            64,
+            128,
+            sign_seed,
+            damp=0.0,
+            dtype=torch.float64,
+            scale_rule=rule,
         )
-        ref = quantize_matrix(w, p, n, 64, 128, sign_seed)
+        ref = quantize_matrix(w, p, n, 64, 128, sign_seed, scale_rule=rule)
         assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
         assert q.meta() == ref.meta()
         torch.testing.assert_close(w_hat, dequantize_matrix(ref), rtol=1e-5, atol=1e-5)
