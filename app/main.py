@@ -23,6 +23,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.artifacts.routes import router as artifacts_router
+from app.calibrations.routes import router as calibrations_router
 from app.db.session import create_db_engine, normalise_url, session_factory
 from app.errors import (
     PROBLEM_JSON,
@@ -106,13 +107,18 @@ class BodyLimitMiddleware:
     """413 problem+json for bodies above max_bytes, checked on Content-Length and on the bytes
     actually received (chunked uploads), before the app parses anything."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # Paths with their own limit (calibration uploads), exact match.
+        self.path_limits = dict(path_limits or {})
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         err = PayloadTooLargeError(
-            f"request body of {size} bytes is above the limit of {self.max_bytes} bytes"
+            f"request body of {size} bytes is above the limit of {limit} bytes"
         )
         await problem_response(err, scope.get("path"))(scope, receive, send)
 
@@ -120,13 +126,14 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     declared = -1
-                if declared > self.max_bytes:
+                if declared > limit:
                     await self._too_large(scope, receive, send, str(declared))
                     return
         body = bytearray()
@@ -135,8 +142,8 @@ class BodyLimitMiddleware:
             if message["type"] != "http.request":
                 break
             body.extend(message.get("body", b""))
-            if len(body) > self.max_bytes:
-                await self._too_large(scope, receive, send, f"more than {self.max_bytes}")
+            if len(body) > limit:
+                await self._too_large(scope, receive, send, f"more than {limit}")
                 return
             if not message.get("more_body", False):
                 break
@@ -324,13 +331,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     _install_error_handlers(app)
     app.include_router(jobs_router)
+    app.include_router(calibrations_router)
     app.include_router(artifacts_router)
     app.include_router(plans_router)
     app.include_router(ops_router)
     app.include_router(webhooks_router)
     install_ui(app)
     # Outermost last: latency sees everything, the body limit runs before routing.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        path_limits={"/v1/calibrations": settings.calibration_max_bytes},
+    )
     app.add_middleware(HeadOptionsMiddleware)
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

@@ -50,6 +50,8 @@ class Settings(BaseSettings):
 
     # HTTP
     max_body_bytes: int = Field(default=64 * 1024, gt=0)
+    # Calibration text uploads (POST /v1/calibrations): their own, larger body limit.
+    calibration_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0, le=16 * 1024 * 1024)
     page_limit_max: int = Field(default=100, gt=0)
     events_poll_interval_s: float = Field(default=0.5, gt=0)
     # SSE streams end after this long even if the job is still running (clients reconnect).

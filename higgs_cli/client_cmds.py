@@ -125,6 +125,10 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         options["formats"] = [f.strip() for f in args.formats.split(",") if f.strip()]
     if args.evaluate is not None:
         options["evaluate"] = args.evaluate
+    if getattr(args, "calibration_tokens", None) is not None:
+        if not getattr(args, "calibration", None):
+            raise ClientError("--calibration-tokens needs --calibration FILE", 2)
+        options["calibration_tokens"] = args.calibration_tokens
     body: dict[str, Any] = {"model": model, "target": given}
     if options:
         body["options"] = options
@@ -183,13 +187,43 @@ def _summary_line(job: dict[str, Any]) -> str:
         parts.append(f"{s['bytes_before'] / 2**20:.1f} MiB -> {s['bytes_after'] / 2**20:.1f} MiB")
     if s.get("ppl_base") and s.get("ppl_quantized"):
         parts.append(f"ppl {float(s['ppl_base']):.3f} -> {float(s['ppl_quantized']):.3f}")
+    cal = s.get("calibration")
+    if isinstance(cal, dict) and cal.get("sha256"):
+        parts.append(f"calibrated on {cal.get('tokens')} tokens (sha256 {str(cal['sha256'])[:12]})")
     return ", ".join(parts)
+
+
+def read_calibration(path: str) -> bytes:
+    """The --calibration file's bytes, checked before anything is uploaded (one-line errors)."""
+    from higgs_engine.calibration import read_calibration_file
+    from higgs_engine.errors import InvalidConfigError
+
+    try:
+        text = read_calibration_file(Path(path))
+    except InvalidConfigError as exc:
+        raise ClientError(str(exc), 2) from None
+    return text.encode("utf-8")
+
+
+def upload_calibration(api: Api, data: bytes) -> dict[str, Any]:
+    """POST /v1/calibrations with the text as the body: {id, sha256, bytes, created_at}."""
+    headers = {"Content-Type": "text/plain; charset=utf-8"}
+    return api.json("POST", "/v1/calibrations", content=data, headers=headers)  # type: ignore[no-any-return]
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     body = build_request(args)
+    cal_data = read_calibration(args.calibration) if args.calibration else None
     api = connect(args)
     try:
+        if cal_data is not None:
+            up = upload_calibration(api, cal_data)
+            body.setdefault("options", {})["calibration"] = up["id"]
+            if not args.quiet:
+                print(
+                    f"uploaded calibration {up['id']} ({up['bytes']} bytes, sha256 {up['sha256'][:12]})",
+                    file=sys.stderr,
+                )
         headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
         job = api.json("POST", "/v1/jobs", json=body, headers=headers)
         job_id = str(job["id"])
@@ -365,6 +399,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--formats", default=None, help="comma separated: native,dequantized")
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="calibrated HIGGS: upload this UTF-8 text (POST /v1/calibrations) and use it for the job",
+    )
+    p.add_argument(
+        "--calibration-tokens", type=_positive(int), default=None, metavar="N",
+        help="calibration tokens (default 8192; the text must have at least N)",
+    )
     p.add_argument("--idempotency-key", default=None)
     p.add_argument(
         "--webhook-url", default=None, help="POST a signed event here when the job ends"

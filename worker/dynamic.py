@@ -193,6 +193,7 @@ def quantize_dynamic(
     ps: ProfileSettings,
     progress: ProgressCallback,
     device: str | None = None,
+    calibration: Any = None,
 ) -> Report:
     """run_dynamic for the job: every layer profiled (one profile serves every job of the
     model), the job's menu, the service's stores; the report says where the profile came from."""
@@ -211,6 +212,7 @@ def quantize_dynamic(
         resolution=ps.resolution,
         progress=progress,
         device=device,
+        calibration=calibration,
     )
     report = result.report
     report.metrics.setdefault("service", {})["profile"] = {

@@ -610,6 +610,9 @@ def _run_attempt(attempt: Attempt) -> Path:
     if evaluate and cfg.eval_text_file is None:
         # Before the long part: say it now rather than after quantizing.
         raise InvalidConfigError(f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}")
+    # Calibrated HIGGS: the uploaded text, tokenized with the model's tokenizer, before any
+    # quantization (a text with too few tokens fails the job here, nothing written).
+    calibration = load_job_calibration(sessions, job_cfg.calibration, source.path, cfg.db_retry_s)
     staging.mkdir(parents=True, exist_ok=True)
     out = staging / "out"
     t0 = time.perf_counter()
@@ -620,10 +623,12 @@ def _run_attempt(attempt: Attempt) -> Path:
         menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
             sessions, source, requested, out, engine_cfg, dict(job_cfg.target), menu_p,
-            cfg.profiles, writer, device=cfg.device,
+            cfg.profiles, writer, device=cfg.device, calibration=calibration,
         )
     else:
-        report = quantize_checkpoint(source.path, out, engine_cfg, writer, device=cfg.device)
+        report = quantize_checkpoint(
+            source.path, out, engine_cfg, writer, device=cfg.device, calibration=calibration
+        )
         if cfg.profiles is not None:
             annotate_uniform(sessions, source, cfg.profiles, report)
     engine_s = time.perf_counter() - t0
@@ -685,6 +690,36 @@ def _run_attempt(attempt: Attempt) -> Path:
         prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
     log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
     return final
+
+
+def load_job_calibration(
+    sessions: SessionFactory, entry: dict[str, Any] | None, model_path: Path, budget_s: float
+) -> Any:
+    """The engine Calibration for a job config's `calibration` entry (an uploaded text), or
+    None. InvalidConfigError (the job fails, code invalid_config) when the upload is gone or
+    the text has fewer tokens than the job asks for."""
+    if not entry:
+        return None
+    from app.db.models import Calibration as CalibrationRow
+    from higgs_engine.calibration import prepare_calibration
+
+    def load() -> tuple[str, str] | None:
+        with sessions() as s:
+            row = s.get(CalibrationRow, entry["id"])
+            return None if row is None else (row.text, row.sha256)
+
+    found = retry_db(load, f"calibration {entry['id']}", budget_s)
+    if found is None:
+        raise InvalidConfigError(f"options.calibration: the upload {entry['id']!r} no longer exists")
+    text, sha = found
+    if sha != entry.get("sha256"):
+        raise InvalidConfigError(f"options.calibration: the upload {entry['id']!r} changed since submit")
+    try:
+        return prepare_calibration(
+            model_path, text, int(entry["tokens"]), label=f"upload:{entry['id']}"
+        )
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"options.calibration: {exc}") from exc
 
 
 def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str, budget_s: float = 300.0) -> Outcome:

@@ -221,3 +221,17 @@ class LocalModel(Base):
     holder: Mapped[str] = mapped_column(String(255), primary_key=True)
     # Last time the worker registered it; None for an operator's rows (never stale).
     seen_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Calibration(Base):
+    """Calibration text uploaded with one API key (POST /v1/calibrations), referenced by id in
+    a job's options.calibration. The text is checked (UTF-8, not empty, size limit) on upload."""
+
+    __tablename__ = "calibrations"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -6,7 +6,8 @@ stored, so a job queued before an upgrade still runs after it:
 
     version 1   {"version": 1, "engine": <HiggsConfig.to_dict()>,
                  "target": {"bits" | "avg_bits" | "max_ppl_increase": number},
-                 "evaluate": bool}   ("evaluate" may be missing in early rows: false)
+                 "evaluate": bool,   ("evaluate" may be missing in early rows: false)
+                 "calibration": {"id", "sha256", "bytes", "tokens"}}  (calibrated jobs only)
 
 A new shape gets a new version number and a branch in `load`; `to_dict` always writes the
 newest one.
@@ -38,6 +39,9 @@ class JobConfig(BaseModel):
         description="exactly one of bits / avg_bits / max_ppl_increase"
     )
     evaluate: bool = False
+    # Calibrated HIGGS: {"id", "sha256", "bytes", "tokens"} of an uploaded text
+    # (POST /v1/calibrations); absent for data-free jobs.
+    calibration: dict[str, Any] | None = None
 
     @field_validator("engine")
     @classmethod
@@ -73,7 +77,10 @@ class JobConfig(BaseModel):
             ) from e
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        d = self.model_dump(mode="json")
+        if d.get("calibration") is None:
+            d.pop("calibration", None)  # data-free jobs keep the shape they always had
+        return d
 
     @property
     def target_kind(self) -> str:

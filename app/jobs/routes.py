@@ -57,6 +57,7 @@ def submit_job(
     registry = Registry(sessions, stale_after_s(settings))
     spec = service.validate_request(body, settings, registry)
     with sessions() as session:
+        spec = service.with_calibration(session, key, body, spec)
         job, created = service.create_job(
             session,
             key,

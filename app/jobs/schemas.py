@@ -191,6 +191,16 @@ class Options(Strict):
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     sign_seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    calibration: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=36,
+        description="id of calibration text uploaded with POST /v1/calibrations: calibrated "
+        "HIGGS (GPTQ with HIGGS grids), same artifact format and size",
+    )
+    calibration_tokens: int | None = Field(
+        default=None, ge=2, le=1_000_000, description="calibration tokens (default 8192)"
+    )
 
     @field_validator("formats")
     @classmethod

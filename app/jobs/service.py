@@ -149,6 +149,24 @@ def validate_request(
     )
 
 
+def with_calibration(session: Session, key: AuthKey, req: JobCreate, spec: JobSpec) -> JobSpec:
+    """`spec` with config["calibration"] = {id, sha256, bytes, tokens} when the request names
+    an upload (422 naming the option if it is not this key's or is certainly too short)."""
+    from dataclasses import replace
+
+    from app.calibrations.service import job_calibration
+
+    opts = req.options
+    if opts.calibration is None:
+        if opts.calibration_tokens is not None:
+            raise ValidationFailedError.field(
+                "options.calibration_tokens", "needs options.calibration (an uploaded text's id)"
+            )
+        return spec
+    entry = job_calibration(session, key, opts.calibration, opts.calibration_tokens)
+    return replace(spec, config=spec.config.model_copy(update={"calibration": entry}))
+
+
 def check_idempotency_key(key: str | None) -> str | None:
     if key is None:
         return None

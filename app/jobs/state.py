@@ -243,6 +243,12 @@ def summary_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "ppl_quantized": metrics.get("ppl_quantized"),
         "kl": metrics.get("kl"),
         "predicted_ppl_increase": metrics.get("predicted_ppl_increase"),
+        # calibrated HIGGS: which text ({source, sha256, tokens}); null for data-free jobs
+        "calibration": (
+            {k: metrics["calibration"].get(k) for k in ("source", "sha256", "tokens")}
+            if isinstance(metrics.get("calibration"), dict)
+            else None
+        ),
     }
 
 

@@ -1,0 +1,1 @@
+"""Calibration text uploads (POST /v1/calibrations) for calibrated HIGGS jobs."""

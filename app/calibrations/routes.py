@@ -1,0 +1,48 @@
+"""HTTP for calibration uploads: the body is the text itself (text/plain, UTF-8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from app.calibrations import service
+from app.deps import CurrentKey, SessionsDep, SettingsDep
+from app.errors import PROBLEM_JSON
+
+router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"])
+
+PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457)"}
+
+
+@router.post(
+    "",
+    status_code=201,
+    responses={401: PROBLEM, 413: PROBLEM, 422: PROBLEM},
+    summary="Upload calibration text (the body, UTF-8) for calibrated HIGGS jobs",
+)
+async def upload(
+    request: Request,
+    response: Response,
+    sessions: SessionsDep,
+    settings: SettingsDep,
+    key: CurrentKey,
+) -> dict[str, Any]:
+    body = await request.body()
+    with sessions() as session:
+        row = service.create(session, key, body, settings.calibration_max_bytes)
+        out = service.view(row)
+    response.headers["Location"] = f"/v1/calibrations/{out['id']}"
+    return out
+
+
+@router.get("", responses={401: PROBLEM}, summary="The caller's calibration uploads")
+def list_uploads(sessions: SessionsDep, key: CurrentKey) -> dict[str, Any]:
+    with sessions() as session:
+        return {"data": [service.view(r) for r in service.list_for(session, key)]}
+
+
+@router.get("/{calibration_id}", responses={401: PROBLEM, 404: PROBLEM}, summary="One upload")
+def get_upload(calibration_id: str, sessions: SessionsDep, key: CurrentKey) -> dict[str, Any]:
+    with sessions() as session:
+        return service.view(service.get(session, key, calibration_id))

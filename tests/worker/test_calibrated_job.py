@@ -1,0 +1,80 @@
+"""A job naming an uploaded calibration text runs calibrated HIGGS; an unusable text fails the
+job before anything is quantized."""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.calibrations.service import create as create_upload
+from app.db.models import Job
+from app.jobs.schemas import JobCreate
+from app.jobs.service import create_job, validate_request, with_calibration
+from app.keys.service import create_key
+from app.settings import Settings
+from tests.fixtures import TINY_MODEL as MODEL
+from tests.fixtures import TINY_TEXT, files_under
+from worker.runner import RunnerConfig, run_job
+
+
+def _submit(
+    sessions: sessionmaker[Session], settings: Settings, text: bytes, tokens: int
+) -> tuple[str, str]:
+    """Upload `text` and submit a job using it, as the API does. Returns (job id, upload id)."""
+    body = {
+        "model": {"id": MODEL},
+        "target": {"bits": 4},
+        "options": {"calibration_tokens": tokens},
+    }
+    with sessions() as s:
+        key, _ = create_key(s, "cal")
+        up = create_upload(s, key, text, settings.calibration_max_bytes)
+        body["options"]["calibration"] = up.id  # type: ignore[index]
+        req = JobCreate.model_validate(body)
+        spec = with_calibration(s, key, req, validate_request(req, settings))
+        job, _ = create_job(s, key, spec, None)
+        return job.id, up.id
+
+
+def test_calibrated_job_records_the_text(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    text = (TINY_TEXT * 20).encode()
+    job_id, up_id = _submit(sessions, settings, text, 256)
+    out = run_job(sessions, job_id, runner_cfg, worker_id="w1")
+    assert out.status == "succeeded", out.detail
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.report is not None and job.summary is not None
+        cal = job.report["metrics"]["calibration"]
+        assert cal["source"] == f"upload:{up_id}" and cal["tokens"] == 256
+        assert cal["sha256"] == hashlib.sha256(text).hexdigest()
+        assert cal["layers_calibrated"] == job.report["metrics"]["quantized_layers"]
+        assert job.summary["calibration"] == {
+            "source": f"upload:{up_id}",
+            "sha256": cal["sha256"],
+            "tokens": 256,
+        }
+        assert "calibrating" in (job.stage_durations or {})
+
+
+def test_too_few_tokens_fails_before_quantizing(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    # As many tokens asked for as the text has bytes passes the API's check; the tokenizer
+    # merges bytes, so the text has fewer tokens than that.
+    text = TINY_TEXT.encode()
+    job_id, _ = _submit(sessions, settings, text, len(text))
+    stages: list[str] = []
+    out = run_job(sessions, job_id, runner_cfg, worker_id="w1")
+    assert out.status == "failed"
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert job.error_code == "invalid_config", job.error_code
+        assert "options.calibration" in (job.error_message or "")
+        assert f"fewer than the {len(text)} requested" in (job.error_message or "")
+        stages = list((job.stage_durations or {}).keys())
+    assert "quantizing" not in stages and "calibrating" not in stages
+    assert files_under(settings.artifacts_path) == []
