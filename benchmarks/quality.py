@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     plot_bits_vs_metric,
     write_results,
 )
+from devtools.calibrated import calibrated_methods, calibration_split  # noqa: E402
 from devtools.quality import (  # noqa: E402
     MINILM_DIR,
     NEWS_FILE,
@@ -52,6 +53,7 @@ from devtools.quality import (  # noqa: E402
     run_methods,
     select_methods,
 )
+from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS  # noqa: E402
 
 # The quality targets: (winner, loser) pairs, checked on every model.
 TARGETS = [
@@ -60,6 +62,9 @@ TARGETS = [
     ("HIGGS p=2 n=64", "RTN-3 g128"),
     ("HIGGS p=2 n=512", "NF4 b64"),
     ("HIGGS p=2 n=512", "HQQ-4 g64"),
+    ("calibrated HIGGS p=2 n=256", "GPTQ int4 g128"),
+    ("calibrated HIGGS p=2 n=256", "HIGGS p=2 n=256"),
+    ("calibrated dynamic HIGGS 3.5 bits", "NF4 b64"),
 ]
 REAL_PATH_METHOD = "HIGGS p=2 n=256"
 
@@ -69,7 +74,7 @@ def check_targets(rows: list[dict[str, Any]], metrics: list[str]) -> list[dict[s
     by = {r["method"]: r for r in rows}
     out = []
     for win, lose in TARGETS:
-        if win not in by or lose not in by:
+        if win not in by or lose not in by or "error" in by[win] or "error" in by[lose]:
             continue
         for m in metrics:
             a, b = by[win].get(m), by[lose].get(m)
@@ -135,6 +140,9 @@ def bench_model(
             "windows": int(causal_eval.windows.shape[0]),
         }
         metrics = ["kl", "ppl"]
+        cal_data = calibration_split(
+            tok, text, int(causal_eval.windows.numel()), args.calibration_tokens, args.context
+        )
     else:
         model, tok = load_encoder(model_dir)
         evaluator = EmbeddingEval(tok, news_sentences(text, args.sentences))
@@ -144,6 +152,18 @@ def bench_model(
             "pooling": "mean over attention mask, L2-normalised",
         }
         metrics = ["one_minus_cos"]
+        # Calibration: the text after the last evaluation sentence, windows of 128 tokens.
+        sents = news_sentences(text, args.sentences)
+        offset = text.find(sents[-1]) + len(sents[-1])
+        cal_data = calibration_split(
+            tok,
+            text[offset:],
+            0,
+            args.calibration_tokens,
+            128,
+            where=f"data/news.txt after character {offset} (the last evaluation sentence)",
+        )
+    data["calibration"] = cal_data.description
     sim = SimulatedModel(model)
     print(
         f"[{label}] {len(sim.layers)} linear layers, {sim.weights / 1e6:.1f}M weights; "
@@ -180,7 +200,7 @@ def bench_model(
     rows = run_methods(
         sim,
         evaluator,
-        select_methods(args.methods),
+        select_methods(args.methods, calibrated_methods(model_dir, cal_data)),
         log=lambda s: print(f"[{label}] {s}", flush=True),
         keep_going=True,
         on_row=save_partial,
@@ -270,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
+    ap.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=DEFAULT_CALIBRATION_TOKENS,
+        help="tokens of news text (after the evaluation data) for the calibrated methods",
+    )
     ap.add_argument(
         "--no-real-path", action="store_true", help="skip the quantize_checkpoint check"
     )

@@ -70,6 +70,8 @@ class Method:
     family: str  # base | rtn | nf4 | hqq | higgs
     params: dict[str, Any]
     fn: QuantFn | None = None
+    # Methods that need the whole model (calibrated ones): `layer_fn(name, W)` instead of fn.
+    layer_fn: Callable[[str, torch.Tensor], tuple[torch.Tensor, float]] | None = None
 
 
 def higgs_fn(p: int, n: int, group_size: int = 256, rotation_block: int = 1024) -> QuantFn:
@@ -170,8 +172,9 @@ def all_methods() -> list[Method]:
     ]
 
 
-def select_methods(names: Sequence[str] | None) -> list[Method]:
-    methods = all_methods()
+def select_methods(names: Sequence[str] | None, extra: Sequence[Method] = ()) -> list[Method]:
+    """The named methods of `all_methods()` + `extra` (model-specific ones), default all."""
+    methods = all_methods() + list(extra)
     if not names:
         return methods
     by_name = {m.name: m for m in methods}
@@ -227,7 +230,7 @@ class SimulatedModel:
     def apply(self, method: Method, keep_per_layer: bool = False) -> QuantStats:
         """Replace every layer's weight by the method's W_hat (as float16, then the model dtype)."""
         self.restore()
-        if method.fn is None:
+        if method.fn is None and method.layer_fn is None:
             return QuantStats(None, None, 0.0, len(self.layers), self.weights)
         bits_sum = err_sum = 0.0
         total = 0
@@ -237,7 +240,11 @@ class SimulatedModel:
             for name, mod in self.layers:
                 w = self.originals[name]
                 t0 = time.perf_counter()
-                w_hat, bpw = method.fn(w)
+                if method.layer_fn is not None:
+                    w_hat, bpw = method.layer_fn(name, w)
+                else:
+                    assert method.fn is not None
+                    w_hat, bpw = method.fn(w)
                 elapsed += time.perf_counter() - t0
                 w_hat = w_hat.to(ARTIFACT_DTYPE).to(torch.float32)
                 t2 = float(((w_hat - w).double().pow(2).sum() / w.double().pow(2).sum()).item())
@@ -423,7 +430,7 @@ def run_methods(
         t0 = time.perf_counter()
         metrics = (
             evaluator.prepare_base(sim.model, check_base)
-            if m.fn is None
+            if m.fn is None and m.layer_fn is None
             else evaluator.evaluate(sim.model)
         )
         eval_s = time.perf_counter() - t0

@@ -11,7 +11,7 @@ from app.calibrations.service import create as create_upload
 from app.db.models import Job
 from app.jobs.schemas import JobCreate
 from app.jobs.service import create_job, validate_request, with_calibration
-from app.keys.service import create_key
+from app.keys.service import AuthKey, create_key
 from app.settings import Settings
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import TINY_TEXT, files_under
@@ -28,7 +28,8 @@ def _submit(
         "options": {"calibration_tokens": tokens},
     }
     with sessions() as s:
-        key, _ = create_key(s, "cal")
+        row, _ = create_key(s, "cal")
+        key = AuthKey.of(row)
         up = create_upload(s, key, text, settings.calibration_max_bytes)
         body["options"]["calibration"] = up.id  # type: ignore[index]
         req = JobCreate.model_validate(body)
