@@ -155,8 +155,9 @@ def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: i
 
 def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: float) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
-        from higgs_engine.checkpoint import quantizable_layers
         from higgs_engine.config import HiggsConfig
+
+        from higgs_engine.checkpoint import quantizable_layers
         from higgs_engine.dynamic import (
             Target,
             config_with_allocation,
