@@ -227,10 +227,21 @@ def bench(label: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         for v in variants()
     ]
-    if args.only:
-        todo = [v for v in todo if any(s in v["name"] for s in args.only)]
+    if args.only:  # exact names, run in the order given
+        by_name = {v["name"]: v for v in todo}
+        todo = [by_name[n] for n in args.only if n in by_name]
     if args.skip:
         todo = [v for v in todo if not any(v["name"].endswith(s) for s in args.skip)]
+    if args.resume:
+        earlier = args.out_dir / f"ablation_{label}.json"
+        if earlier.is_file():
+            old = json.loads(earlier.read_text())
+            if old.get("data") == data:  # same windows / sentences: the rows are comparable
+                rows[:] = [r for r in old["rows"]]
+                env = old["environment"]["start"]
+                t_start -= float(old.get("wall_seconds", 0.0))
+        done = {r["method"] for r in rows}
+        todo = [v for v in todo if v["name"] not in done]
     for v in todo:
         st = apply(sim, v["fn"])
         t0 = time.perf_counter()
@@ -311,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", nargs="*", help="run only variants whose name contains one of these")
+    ap.add_argument("--only", nargs="*", help="run only these variants (exact names), in this order")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the rows of an earlier run on the same data"
+    )
     ap.add_argument("--skip", nargs="*", help="skip variants whose name ends with one of these")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)

@@ -64,7 +64,7 @@ def write_results(
     return json_path, md_path
 
 
-_MARKERS = {"rtn": "s", "nf4": "D", "hqq": "^", "higgs": "o"}
+_MARKERS = {"rtn": "s", "nf4": "D", "hqq": "^", "higgs": "o", "dynamic": "*"}
 
 
 def plot_bits_vs_metric(

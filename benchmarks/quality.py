@@ -44,6 +44,7 @@ from devtools.quality import (  # noqa: E402
     SMOLLM_DIR,
     CausalLMEval,
     EmbeddingEval,
+    Method,
     SimulatedModel,
     all_methods,
     data_ready,
@@ -67,6 +68,57 @@ TARGETS = [
     ("calibrated dynamic HIGGS 3.5 bits", "NF4 b64"),
 ]
 REAL_PATH_METHOD = "HIGGS p=2 n=256"
+DYNAMIC_BITS = 4.13  # NF4 with double quantization's size
+DYNAMIC_METHOD = f"dynamic HIGGS {DYNAMIC_BITS} (self-generated profile)"
+TARGETS += [
+    ("HIGGS default --bits 4", "RTN-4 g128"),
+    (DYNAMIC_METHOD, "NF4 b64 dq"),
+    (DYNAMIC_METHOD, "HQQ-4 g64"),
+]
+
+
+def dynamic_method(model_dir: Path, sim: SimulatedModel, cache_dir: Path | None) -> tuple[Method, dict[str, Any]]:
+    """Dynamic HIGGS at DYNAMIC_BITS as `higgs quantize SRC --avg-bits` runs it with no text:
+    the default profile (Fisher, on text the model generates itself; cached in `cache_dir`),
+    the DP allocation, and each layer's grid with the default HiggsConfig."""
+    from higgs_engine.config import HiggsConfig
+    from higgs_engine.dynamic import DEFAULT_PROFILE, Target, get_profile, plan_allocation
+    from higgs_engine.quantize import dequantize_matrix, quantize_matrix
+
+    t0 = time.perf_counter()
+    prof = get_profile(model_dir, DEFAULT_PROFILE, cache_dir=cache_dir)
+    profile_s = time.perf_counter() - t0
+    cfg = HiggsConfig()
+    names = [n for n, _ in sim.layers]
+    plan = plan_allocation(prof, cfg, Target(avg_bits=DYNAMIC_BITS), names=names)
+    grids = {o.name: (o.p, o.n) for o in plan.allocation.overrides()}
+    by_id = {id(w): n for n, w in sim.originals.items()}
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
+        p, n = grids[by_id[id(w)]]
+        if p == 0:
+            return w.clone(), 16.0
+        q = quantize_matrix(
+            w,
+            p,
+            n,
+            group_size=cfg.group_size,
+            rotation_block=cfg.rotation_block,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        )
+        return dequantize_matrix(q), float(q.bits_per_weight())
+
+    info = {
+        "profile_seconds": profile_s,
+        "profile_cost": prof.cost,
+        "profile_calibration": prof.calibration,
+        "profile_config": prof.config,
+        "allocator_avg_bits": plan.allocation.avg_bits,
+        "histogram": plan.allocation.histogram(),
+    }
+    params = {"avg_bits": DYNAMIC_BITS, "profile": prof.calibration, "method": prof.method}
+    return Method(DYNAMIC_METHOD, "dynamic", params, run), info
 
 
 def check_targets(rows: list[dict[str, Any]], metrics: list[str]) -> list[dict[str, Any]]:
@@ -197,10 +249,20 @@ def bench_model(
         # partial results are on disk after every method ("complete": false until the end)
         save(payload(rows, None, False), args.out_dir)
 
+    methods = select_methods(
+        [m for m in (args.methods or []) if m != DYNAMIC_METHOD] or None,
+        calibrated_methods(model_dir, cal_data),
+    )
+    dyn_info: dict[str, Any] | None = None
+    if causal and (not args.methods or DYNAMIC_METHOD in args.methods):
+        dyn, dyn_info = dynamic_method(model_dir, sim, args.profile_cache)
+        print(f"[{label}] dynamic profile: {dyn_info}", flush=True)
+        methods.append(dyn)
+    data["dynamic"] = dyn_info
     rows = run_methods(
         sim,
         evaluator,
-        select_methods(args.methods, calibrated_methods(model_dir, cal_data)),
+        methods,
         log=lambda s: print(f"[{label}] {s}", flush=True),
         keep_going=True,
         on_row=save_partial,
@@ -300,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-real-path", action="store_true", help="skip the quantize_checkpoint check"
     )
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument(
+        "--profile-cache",
+        type=Path,
+        default=None,
+        help="profile / self-generated text cache of the dynamic method (default: none, measured)",
+    )
     ap.add_argument(
         "--threads",
         type=int,

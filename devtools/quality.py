@@ -74,14 +74,45 @@ class Method:
     layer_fn: Callable[[str, torch.Tensor], tuple[torch.Tensor, float]] | None = None
 
 
-def higgs_fn(p: int, n: int, group_size: int = 256, rotation_block: int = 1024) -> QuantFn:
+def higgs_fn(
+    p: int,
+    n: int,
+    group_size: int = 256,
+    rotation_block: int = 1024,
+    sign_seed: int | None = None,
+    scale_rule: str = "rms",
+) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
         from higgs_engine.quantize import dequantize_matrix, quantize_matrix
 
-        q = quantize_matrix(w, p, n, group_size=group_size, rotation_block=rotation_block)
+        q = quantize_matrix(
+            w,
+            p,
+            n,
+            group_size=group_size,
+            rotation_block=rotation_block,
+            sign_seed=sign_seed,
+            scale_rule=scale_rule,
+        )
         return dequantize_matrix(q), float(q.bits_per_weight())
 
     return run
+
+
+def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
+    """What `higgs quantize --bits B` does: HiggsConfig.from_bits(B) with every default."""
+    from higgs_engine.config import HiggsConfig
+
+    c = HiggsConfig.from_bits(bits)
+    params = {
+        "p": c.p,
+        "n": c.n,
+        "group_size": c.group_size,
+        "rotation_block": c.rotation_block,
+        "sign_seed": c.sign_seed,
+        "scale_rule": c.scale_rule,
+    }
+    return params, higgs_fn(**params)
 
 
 def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
@@ -99,6 +130,18 @@ def nf4_fn(block_size: int = 64) -> QuantFn:
         from higgs_engine.baselines import nf4_quantize
 
         w_hat, bpw = nf4_quantize(w, block_size=block_size)
+        return w_hat, float(bpw)
+
+    return run
+
+
+def nf4_dq_fn(block_size: int = 64) -> QuantFn:
+    """NF4 with the absmax constants double-quantized (bitsandbytes' bnb_4bit_use_double_quant)."""
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
+        from higgs_engine.baselines import nf4_quantize
+
+        w_hat, bpw = nf4_quantize(w, block_size=block_size, double_quant=True)
         return w_hat, float(bpw)
 
     return run
@@ -161,6 +204,7 @@ def all_methods() -> list[Method]:
         Method("RTN-3 g128", "rtn", {"bits": 3, "group_size": 128}, rtn_fn(3)),
         Method("RTN-4 g128", "rtn", {"bits": 4, "group_size": 128}, rtn_fn(4)),
         Method("NF4 b64", "nf4", {"block_size": 64}, nf4_fn(64)),
+        Method("NF4 b64 dq", "nf4", {"block_size": 64, "double_quant": True}, nf4_dq_fn(64)),
         Method("HQQ-3 g64", "hqq", {"bits": 3, "group_size": 64}, hqq_fn(3)),
         Method("HQQ-4 g64", "hqq", {"bits": 4, "group_size": 64}, hqq_fn(4)),
         Method("HIGGS p=1 n=8", "higgs", {"p": 1, "n": 8}, higgs_fn(1, 8)),
@@ -169,6 +213,7 @@ def all_methods() -> list[Method]:
         Method("HIGGS p=2 n=256", "higgs", {"p": 2, "n": 256}, higgs_fn(2, 256)),
         Method("HIGGS p=2 n=512", "higgs", {"p": 2, "n": 512}, higgs_fn(2, 512)),
         Method("HIGGS p=2 n=1024", "higgs", {"p": 2, "n": 1024}, higgs_fn(2, 1024)),
+        Method("HIGGS default --bits 4", "higgs", *higgs_default_fn(4.0)),
     ]
 
 

@@ -388,11 +388,23 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the client verbs to the `higgs` sub-command parser."""
-    p = subparsers.add_parser("submit", help="submit a quantization job to a service")
+    p = subparsers.add_parser(
+        "submit",
+        help="submit a quantization job to a service",
+        description="Submit a quantization job. Recommended: --avg-bits B (e.g. 4.13), because the "
+        "allocator then spends the bits where the model is sensitive (a data-free profile, measured "
+        "once per model and cached), which beats one bit width everywhere at the same size; "
+        "--bits B quantizes every layer alike, --max-ppl-increase R picks the smallest model within R.",
+    )
     p.add_argument("model", help="Hub id (owner/name) or the name of a model the service serves locally")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument(
+        "--avg-bits",
+        type=_positive(float),
+        default=None,
+        help="recommended: average bits per weight, every overhead counted (dynamic HIGGS)",
+    )
     p.add_argument("--bits", type=_positive(float), default=None, help="uniform HIGGS code bits per weight")
-    p.add_argument("--avg-bits", type=_positive(float), default=None, help="dynamic HIGGS average bits")
     p.add_argument("--max-ppl-increase", type=_positive(float), default=None, help="e.g. 0.05 = 5%%")
     p.add_argument("--p", type=int, default=None, help="grid dimension (1 or 2)")
     p.add_argument("--n", type=int, default=None, help="grid size")

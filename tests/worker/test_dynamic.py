@@ -272,6 +272,10 @@ def test_cancel_during_profiling_stops_between_layers_and_resumes_later(
     dyn_cfg: RunnerConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Noise injection profiles one layer at a time, so a partial profile can be resumed (the
+    # default Fisher estimate is a few whole-model passes, measured at once).
+    dyn_settings = dyn_settings.model_copy(update={"profile_method": "noise"})
+    dyn_cfg = RunnerConfig.from_settings(dyn_settings, "cpu")
     job_id = create_job(sessions, dyn_settings, AVG)
     slow = dataclasses.replace(dyn_cfg, debug_layer_delay_s=0.3, progress_min_interval_s=0.0)
     outcome = cancel_mid_run(
