@@ -104,7 +104,7 @@ def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
     from higgs_engine.config import HiggsConfig
 
     c = HiggsConfig.from_bits(bits)
-    params = {
+    params: dict[str, Any] = {
         "p": c.p,
         "n": c.n,
         "group_size": c.group_size,
@@ -112,7 +112,8 @@ def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
         "sign_seed": c.sign_seed,
         "scale_rule": c.scale_rule,
     }
-    return params, higgs_fn(**params)
+    fn = higgs_fn(c.p, c.n, c.group_size, c.rotation_block, c.sign_seed, c.scale_rule)
+    return params, fn
 
 
 def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:

@@ -95,8 +95,17 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
         f"--{prefix}cache",
         default=None,
         metavar="DIR",
-        help="profile cache directory (reused when model, revision, data, metric and budget match)",
+        help="profile and generated-text cache, reused when model, revision, data, metric and "
+        "budget match (default $XDG_CACHE_HOME/higgs/profiles, i.e. ~/.cache/higgs/profiles)",
     )
+
+
+def default_profile_cache() -> Path:
+    """Where profiles and self-generated text are cached when no --cache DIR is given."""
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "higgs" / "profiles"
 
 
 def register(subparsers: Any) -> None:
@@ -257,7 +266,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             args.source,
             cfg,
             text=text,
-            cache_dir=Path(args.cache) if args.cache else None,
+            cache_dir=Path(args.cache) if args.cache else default_profile_cache(),
             out=Path(args.out),
             skip=_skip(args),
             revision=args.revision,
@@ -406,7 +415,9 @@ def dynamic_quantize(
         target,
         config,
         **how,
-        stores=profile_stores(Path(args.profile_cache) if args.profile_cache else None),
+        stores=profile_stores(
+            Path(args.profile_cache) if args.profile_cache else default_profile_cache()
+        ),
         menu=option_menu(max_code_bits=args.max_code_bits),
         progress=progress,
         revision=args.revision,

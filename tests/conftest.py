@@ -84,3 +84,10 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with running_s3(tmp_path_factory.mktemp("s3")) as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def private_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI caches profiles and self-generated text under $XDG_CACHE_HOME: each test gets
+    its own, so no test reuses (or leaves behind) another's cached profile."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))

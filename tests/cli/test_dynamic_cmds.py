@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +138,36 @@ def test_profile_quiet_prints_nothing_on_stderr(ckpt: Path, tmp_path: Path) -> N
     assert res.returncode == 0, res.stderr
     assert res.stderr.strip() == "", res.stderr  # no loading bar of transformers, no warnings
     assert json.loads(out.read_text())["layers"]
+
+
+def test_avg_bits_profiles_once_then_reuses_the_cache(
+    llama_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`higgs quantize SRC --avg-bits B` with no text: a self-generated-text profile the first
+    time (cached under $XDG_CACHE_HOME), none the second time."""
+    import higgs_engine.profile as profile_mod
+    from higgs_cli.main import main
+
+    cache = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    calls: list[int] = []
+    real = profile_mod.compute_profile
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(profile_mod, "compute_profile", counting)
+    import higgs_engine.dynamic as dyn
+
+    monkeypatch.setattr(dyn, "compute_profile", counting)
+    args = ["--avg-bits", "3.5", "--profile-tokens", "32", "--profile-context", "16"]
+    assert main(["quantize", str(llama_ckpt), "--out", str(tmp_path / "a"), *args]) == 0
+    assert calls == [1]
+    prof_dir = cache / "higgs" / "profiles"
+    assert len(list(prof_dir.glob("profile-*.json"))) == 1
+    assert len(list(prof_dir.glob("selfgen-*.safetensors"))) == 1
+    assert main(["quantize", str(llama_ckpt), "--out", str(tmp_path / "b"), *args]) == 0
+    assert calls == [1]  # the second run measured nothing
+    rep = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert rep["metrics"]["profile"]["calibration"].startswith("self:")
