@@ -82,7 +82,9 @@ class Settings(BaseSettings):
     # Data-free by default: KL from the base model on seeded random tokens, so a job needs no
     # text. Token budget = profile_windows * profile_context (tests keep it tiny).
     profile_metric: Literal["kl", "ppl"] = "kl"
-    profile_method: Literal["noise", "fisher"] = "noise"
+    profile_method: Literal["noise", "fisher"] = "fisher"
+    # Token source without a text file: "self" (text the model generates, cached) or "random".
+    profile_data_free: Literal["self", "random"] = "self"
     profile_context: int = Field(default=512, ge=2)
     profile_windows: int = Field(default=4, ge=1)
     profile_seed: int = 0

@@ -49,7 +49,8 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
     src.add_argument(
         f"--{prefix}random-tokens",
         action="store_true",
-        help="calibrate on seeded random tokens (data-free; the default without a text)",
+        help="calibrate on seeded random tokens instead of text the model generates itself "
+        "(the data-free default without a text, cached per model revision)",
     )
     p.add_argument(
         f"--{prefix}metric",
@@ -57,10 +58,16 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
         default="kl",
         help="KL from the base model (default; works on random tokens) or perplexity",
     )
-    p.add_argument(
+    method = p.add_mutually_exclusive_group()
+    method.add_argument(
         f"--{prefix}fast",
         action="store_true",
-        help="estimate alphas from Fisher statistics (a few backward passes) instead of noise injection",
+        help="estimate alphas from Fisher statistics, a few backward passes (the default)",
+    )
+    method.add_argument(
+        f"--{prefix}noise",
+        action="store_true",
+        help="measure alphas by noise injection, one layer at a time (slow; the paper's method)",
     )
     p.add_argument(
         f"--{prefix}tokens",
@@ -231,7 +238,8 @@ def _profile_config(args: argparse.Namespace, prefix: str = "") -> Any:
         )
     return ProfileConfig(
         metric=get("metric"),
-        method="fisher" if get("fast") else "noise",
+        method="noise" if get("noise") else "fisher",
+        data_free="random" if get("random_tokens") else "self",
         levels=tuple(get("levels")),
         context=context,
         windows=max(1, tokens // context),

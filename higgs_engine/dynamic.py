@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 
     from higgs_engine.calibration import Calibration
 
-DEFAULT_PROFILE = ProfileConfig()
+# The Fisher estimate matched noise injection on quality at a fraction of the cost
+# (benchmarks/results/dynamic.md); without a text the model's own generated text is used.
+DEFAULT_PROFILE = ProfileConfig(method="fisher")
 DEFAULT_CONFIG = HiggsConfig()
 # A job needs the allocation, not the curve (POST /v1/plans and `higgs plan` draw that).
 _JOB_PARETO_STEP = 0.5
@@ -77,12 +79,28 @@ def load_float_model(path: Path) -> tuple[nn.Module, Any]:
 
 
 def calibration_windows(
-    model: nn.Module, tokenizer: Any, text: str | None, config: ProfileConfig
+    model: nn.Module,
+    tokenizer: Any,
+    text: str | None,
+    config: ProfileConfig,
+    *,
+    revision: str | None = None,
+    cache_dir: Path | None = None,
+    progress: ProgressCallback | None = None,
 ) -> torch.Tensor:
-    """(windows, context) token ids: the text's first windows, or seeded random tokens."""
+    """(windows, context) token ids: the text's first windows; without a text, the data-free
+    source of `config`: text the model generates itself (cached in `cache_dir` per `revision`)
+    or seeded random tokens."""
     from higgs_engine.evaluate import text_windows, tokenize
     from higgs_engine.profile import random_windows
 
+    if text is None and config.data_free == "self":
+        from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens
+
+        sg = SelfGenConfig(count=config.windows, length=config.context, seed=config.seed)
+        return cached_self_tokens(
+            model, tokenizer, revision or "unversioned", cache_dir, sg, progress=progress
+        )
     if text is None:
         cfg: Any = model.config
         vocab = int(cfg.vocab_size)
@@ -129,6 +147,7 @@ def obtain_profile(
     token: str | None = None,
     compute: bool = True,
     progress: ProgressCallback | None = None,
+    selfgen_cache: Path | None = None,
 ) -> ProfileResult:
     """The profile of `source`'s quantizable layers (less `skip`) for `config` on `text`
     (None = random tokens, data-free).
@@ -145,7 +164,7 @@ def obtain_profile(
     request = ProfileRequest(
         model=src.id,
         revision=src.revision or source_fingerprint(src.path),
-        calibration=calibration_id(text, config.seed),
+        calibration=calibration_id(text, config.seed, config.data_free),
         config=config,
         layers=tuple(names),
     )
@@ -157,7 +176,15 @@ def obtain_profile(
             f"no cached profile for {src.id!r} (key {request.key}); compute one first"
         )
     model, tok = load_float_model(src.path)
-    windows = calibration_windows(model, tok, text, config)
+    windows = calibration_windows(
+        model,
+        tok,
+        text,
+        config,
+        revision=request.revision,
+        cache_dir=selfgen_cache,
+        progress=progress,
+    )
     prof = compute_profile(
         model,
         names,
@@ -187,12 +214,14 @@ def get_profile(
     compute: bool = True,
     progress: ProgressCallback | None = None,
 ) -> Profile:
-    """obtain_profile with the CLI's file stores: `out` and the cache directory."""
+    """obtain_profile with the CLI's file stores: `out` and the cache directory (which also
+    keeps the self-generated text)."""
     return obtain_profile(
         source,
         config,
         text=text,
         stores=profile_stores(cache_dir, out),
+        selfgen_cache=cache_dir,
         skip=skip,
         revision=revision,
         token=token,
@@ -223,6 +252,7 @@ def run_dynamic(
     profile_config: ProfileConfig = DEFAULT_PROFILE,
     text: str | None = None,
     stores: Sequence[ProfileStore] = (),
+    selfgen_cache: Path | None = None,
     profile_skip: Sequence[str] | None = None,
     menu: Sequence[Option] | None = None,
     resolution: float = 1e-4,
@@ -252,6 +282,7 @@ def run_dynamic(
             profile_config,
             text=text,
             stores=stores,
+            selfgen_cache=selfgen_cache,
             skip=base.skip if profile_skip is None else profile_skip,
             revision=revision,
             token=token,

@@ -51,7 +51,8 @@ class ProfileSettings:
 
     cache_dir: Path
     metric: str = "kl"
-    method: str = "noise"
+    method: str = "fisher"
+    data_free: str = "self"
     context: int = 512
     windows: int = 4
     seed: int = 0
@@ -66,6 +67,7 @@ class ProfileSettings:
             cache_dir=settings.profiles_path,
             metric=settings.profile_metric,
             method=settings.profile_method,
+            data_free=settings.profile_data_free,
             context=settings.profile_context,
             windows=settings.profile_windows,
             seed=settings.profile_seed,
@@ -78,6 +80,7 @@ class ProfileSettings:
         return ProfileConfig(
             metric=self.metric,
             method=self.method,
+            data_free=self.data_free,
             context=self.context,
             windows=self.windows,
             seed=self.seed,
@@ -207,6 +210,7 @@ def quantize_dynamic(
         profile_config=ps.engine_config(),
         text=ps.text(),
         stores=profile_stores(sessions, source, requested_revision, ps),
+        selfgen_cache=ps.cache_dir,
         profile_skip=(),
         menu=option_menu(menu_p),
         resolution=ps.resolution,
@@ -230,7 +234,7 @@ def annotate_uniform(
     predicted metric change from its measured t^2 (never measures a profile for it)."""
     pc = ps.engine_config()
     request = ProfileRequest(
-        source.id, profile_revision(source), calibration_id(ps.text(), pc.seed), pc
+        source.id, profile_revision(source), calibration_id(ps.text(), pc.seed, pc.data_free), pc
     )
     prof = DatabaseProfiles(sessions, source, None, ps.db_retry_s).find(request)
     if prof is not None:

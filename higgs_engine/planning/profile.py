@@ -22,6 +22,9 @@ from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError, Prof
 PROFILE_VERSION = 1
 METRICS = ("kl", "ppl")
 METHODS = ("noise", "fisher")
+# Token sources when no calibration text is given: text the model generates itself
+# (higgs_engine.selfgen), or seeded uniform random tokens.
+DATA_FREE_SOURCES = ("self", "random")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ProfileConfig:
     windows: int = 4  # token budget = windows * context
     seed: int = 0
     fisher_samples: int = 4  # label draws (backward passes) per window for the Fisher method
+    data_free: str = "self"  # token source without a text: "self" (generated) or "random"
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -51,6 +55,10 @@ class ProfileConfig:
             raise InvalidConfigError(f"context={self.context} must be at least 2 tokens")
         if self.windows < 1:
             raise InvalidConfigError(f"windows={self.windows} must be at least 1")
+        if self.data_free not in DATA_FREE_SOURCES:
+            raise InvalidConfigError(
+                f"data_free={self.data_free!r} must be one of {list(DATA_FREE_SOURCES)}"
+            )
         if self.fisher_samples < 1:
             raise InvalidConfigError(f"fisher_samples={self.fisher_samples} must be at least 1")
 
@@ -67,6 +75,8 @@ class ProfileConfig:
     def from_dict(cls, d: dict[str, Any]) -> ProfileConfig:
         d = dict(d)
         d["levels"] = tuple(d.get("levels", ()))
+        # profiles written before self-generated text existed used random tokens
+        d.setdefault("data_free", "random")
         return cls(**d)
 
 
@@ -154,10 +164,14 @@ def profile_key(model: str, revision: str | None, calibration: str, config: Prof
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def calibration_id(text: str | None, seed: int) -> str:
-    if text is None:
-        return f"random:{seed}"
-    return "text:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+def calibration_id(text: str | None, seed: int, data_free: str = "random") -> str:
+    """"text:<sha256>", or the data-free source: "random:<seed>", or "self:t1:p0.95:<seed>"
+    (text sampled from the model at temperature 1, top-p 0.95: higgs_engine.selfgen's defaults)."""
+    if text is not None:
+        return "text:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if data_free == "self":
+        return f"self:t1:p0.95:{seed}"
+    return f"random:{seed}"
 
 
 def source_fingerprint(path: Path) -> str:

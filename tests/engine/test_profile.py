@@ -16,7 +16,7 @@ from higgs_engine.planning.profile import Profile, ProfileConfig
 from higgs_engine.profile import BlockReplay, compute_profile, fit_through_origin
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint
 
-CFG = ProfileConfig(context=32, windows=2)
+CFG = ProfileConfig(context=32, windows=2, data_free="random")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -190,3 +190,36 @@ def test_profile_of_a_missing_layer_is_an_error(ckpt: Path) -> None:
         compute_profile(
             model, ["model.nope"], windows, CFG, model_id="x", revision=None, calibration="random:0"
         )
+
+
+def test_self_generated_profile_is_cached_with_its_text(ckpt: Path, tmp_path: Path) -> None:
+    cfg = ProfileConfig(method="fisher", context=16, windows=2, fisher_samples=1)
+    assert cfg.data_free == "self"  # the data-free default
+    prof = get_profile(ckpt, cfg, cache_dir=tmp_path)
+    assert prof.calibration == "self:t1:p0.95:0"
+    gen = list(tmp_path.glob("selfgen-*.safetensors"))
+    assert len(gen) == 1 and len(list(tmp_path.glob("profile-*.json"))) == 1
+    # random tokens are another calibration, with another key
+    rnd = ProfileConfig(method="fisher", context=16, windows=2, fisher_samples=1, data_free="random")
+    assert get_profile(ckpt, rnd, cache_dir=tmp_path).calibration == "random:0"
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2
+    # second call: served from the cache, nothing measured
+    again = get_profile(ckpt, cfg, cache_dir=tmp_path, compute=False)
+    assert [la.alpha for la in again.layers] == [la.alpha for la in prof.layers]
+    # the windows are the generated tokens
+    from safetensors.torch import load_file
+
+    from higgs_engine.dynamic import calibration_windows
+
+    model, tok = load_float_model(ckpt)
+    wins = calibration_windows(model, tok, None, cfg, revision="r", cache_dir=tmp_path / "x")
+    assert wins.shape == (2, 16)
+    assert torch.equal(wins, load_file(str(next((tmp_path / "x").glob("selfgen-*"))))["tokens"])
+
+
+def test_old_profile_config_without_data_free_reads_as_random() -> None:
+    d = ProfileConfig().to_dict()
+    del d["data_free"]
+    assert ProfileConfig.from_dict(d).data_free == "random"
+    with pytest.raises(InvalidConfigError, match="data_free='web'"):
+        ProfileConfig(data_free="web")

@@ -152,9 +152,12 @@ def test_avg_bits_job_profiles_allocates_and_predicts(
     assert len(rows) == 1
     row = rows[0]
     assert row.model_id == MODEL and row.metric == "kl" and row.token_budget == 16
-    assert row.revision.startswith("local:") and row.text_hash == "random:0"
+    assert row.revision.startswith("local:") and row.text_hash == "self:t1:p0.95:0"
     assert row.data["profile"]["complete"] and len(row.data["profile"]["layers"]) == len(rep.layers)
     assert len(list(dyn_settings.profiles_path.glob("profile-*.json"))) == 1
+    # data-free: text the model generated itself, cached next to the profile; Fisher estimate
+    assert len(list(dyn_settings.profiles_path.glob("selfgen-*.safetensors"))) == 1
+    assert row.data["profile"]["config"]["method"] == "fisher"
 
 
 def test_second_job_reuses_the_profile_and_max_ppl_increase_works(
