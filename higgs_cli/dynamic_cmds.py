@@ -417,15 +417,15 @@ def dynamic_quantize(
         if text is None and calibration_text is not None:
             text = calibration_text  # profile and calibration share the user's text
         how = {"profile_config": _profile_config(args, "profile-"), "text": text}
+    cache = Path(args.profile_cache) if args.profile_cache else default_profile_cache()
     result = run_dynamic(
         args.source,
         Path(args.out),
         target,
         config,
         **how,
-        stores=profile_stores(
-            Path(args.profile_cache) if args.profile_cache else default_profile_cache()
-        ),
+        stores=profile_stores(cache),
+        selfgen_cache=cache,
         menu=option_menu(max_code_bits=args.max_code_bits),
         progress=progress,
         revision=args.revision,
