@@ -30,8 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from higgs_engine.config import HiggsConfig  # noqa: E402
-
 from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
 from devtools.quality import (  # noqa: E402
     ARTIFACT_DTYPE,
@@ -42,6 +40,7 @@ from devtools.quality import (  # noqa: E402
     load_causal_lm,
 )
 from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
+from higgs_engine.planning.config import HiggsConfig  # noqa: E402
 from higgs_engine.profile import Profile  # noqa: E402
 
 BUDGETS = (4.13, 3.5)

@@ -81,9 +81,8 @@ def dynamic_method(model_dir: Path, sim: SimulatedModel, cache_dir: Path | None)
     """Dynamic HIGGS at DYNAMIC_BITS as `higgs quantize SRC --avg-bits` runs it with no text:
     the default profile (Fisher, on text the model generates itself; cached in `cache_dir`),
     the DP allocation, and each layer's grid with the default HiggsConfig."""
-    from higgs_engine.config import HiggsConfig
-
     from higgs_engine.dynamic import DEFAULT_PROFILE, Target, get_profile, plan_allocation
+    from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.quantize import dequantize_matrix, quantize_matrix
 
     t0 = time.perf_counter()

@@ -142,7 +142,7 @@ def _from_pipeline(
 
 
 def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: int) -> Method:
-    from higgs_engine.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig(p=p, n=n, formats=("dequantized",))
     return Method(
@@ -155,8 +155,6 @@ def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: i
 
 def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: float) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
-        from higgs_engine.config import HiggsConfig
-
         from higgs_engine.checkpoint import quantizable_layers
         from higgs_engine.dynamic import (
             Target,
@@ -164,6 +162,7 @@ def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: 
             get_profile,
             plan_allocation,
         )
+        from higgs_engine.planning.config import HiggsConfig
         from higgs_engine.profile import ProfileConfig
 
         cal = data.calibration

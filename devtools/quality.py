@@ -101,7 +101,7 @@ def higgs_fn(
 
 def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
     """What `higgs quantize --bits B` does: HiggsConfig.from_bits(B) with every default."""
-    from higgs_engine.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig
 
     c = HiggsConfig.from_bits(bits)
     params: dict[str, Any] = {
