@@ -3,7 +3,8 @@
     queued -> running -> succeeded | failed
     queued | running -> cancelled
 
-Every function here is one transaction: it changes the row with a compare-and-set UPDATE
+Every query runs through app.jobs.repository; this module holds the rules. Every function
+here is one transaction: it changes the row with a compare-and-set UPDATE
 (`... WHERE status = <expected>`), commits, and raises a typed error when the transition is
 illegal, so two processes racing on one job can never both win.
 """
@@ -11,13 +12,12 @@ illegal, so two processes racing on one job can never both win.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -34,6 +34,7 @@ from app.db.models import (
     JobLayer,
 )
 from app.errors import ConflictError, NotFoundError
+from app.jobs import repository
 from app.jobs.rows import ArtifactRow, InvalidRowError, LayerRow
 
 MAX_MESSAGE_CHARS = 4000
@@ -83,31 +84,14 @@ class StaleSweep:
     cancelled: list[str] = field(default_factory=list)
 
 
-def _rowcount(result: Any) -> int:
-    return cast(CursorResult[Any], result).rowcount
-
-
 def _get(session: Session, job_id: str) -> Job:
-    job = session.get(Job, job_id, populate_existing=True)
+    job = repository.get(session, job_id)
     if job is None:
         raise JobNotFoundError(job_id)
     return job
 
 
-def _cas(
-    session: Session,
-    job_id: str,
-    conditions: Iterable[ColumnElement[bool]],
-    values: Mapping[str, Any],
-) -> bool:
-    """UPDATE jobs SET values WHERE id = job_id AND conditions; True when the row matched."""
-    stmt = (
-        update(Job)
-        .where(Job.id == job_id, *conditions)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    return _rowcount(session.execute(stmt)) == 1
+_cas = repository.compare_and_set
 
 
 def _refused(session: Session, job_id: str, action: str) -> IllegalTransitionError:
@@ -178,7 +162,7 @@ def record_progress(
     """Write stage, done/total and the heartbeat. Returns False when the job should stop:
     cancel was requested, or the job is no longer running (for this worker, if given)."""
     now = utcnow()
-    job = session.get(Job, job_id, populate_existing=True)
+    job = repository.get(session, job_id)
     if job is None:
         session.rollback()
         raise JobNotFoundError(job_id)
@@ -212,7 +196,7 @@ def _touch_running(
     if not _cas(session, job_id, [Job.status == RUNNING, *_owned(worker_id)], values):
         session.rollback()
         return False
-    cancel = session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
+    cancel = repository.cancel_requested(session, job_id)
     session.commit()
     return not cancel
 
@@ -356,13 +340,7 @@ def succeed(
             )
         raise IllegalTransitionError(job_id, job.status, "succeed")
     # A redelivered job that got this far before may have left rows: replace, never duplicate.
-    session.execute(delete(JobLayer).where(JobLayer.job_id == job_id))
-    old = session.scalars(select(Artifact.id).where(Artifact.job_id == job_id)).all()
-    if old:
-        session.execute(delete(ArtifactFile).where(ArtifactFile.artifact_id.in_(old)))
-        session.execute(delete(Artifact).where(Artifact.id.in_(old)))
-    session.add_all(new_layers)
-    session.add_all(new_artifacts)
+    repository.replace_rows(session, job_id, new_layers, new_artifacts)
     session.commit()
     return _get(session, job_id)
 
@@ -440,11 +418,7 @@ def release_lost(
     cancelled if cancel had been requested. Returns the new status, None when the job was not
     running for that worker (finished, or someone else's)."""
     now = utcnow()
-    row = session.execute(
-        select(Job.attempts, Job.cancel_requested).where(
-            Job.id == job_id, Job.status == RUNNING, Job.worker_id == worker_id
-        )
-    ).first()
+    row = repository.running_attempts(session, job_id, worker_id)
     if row is None:
         session.rollback()
         return None
@@ -541,18 +515,7 @@ def mark_enqueued(session: Session, job_id: str, now: datetime | None = None) ->
 def list_unenqueued(session: Session, older_than: datetime, limit: int = 100) -> list[str]:
     """Ids of queued jobs created before `older_than` that never reached the broker (jobs
     waiting for storage excepted: list_storage_waiting)."""
-    stmt = (
-        select(Job.id)
-        .where(
-            Job.status == QUEUED,
-            Job.enqueued_at.is_(None),
-            Job.created_at < older_than,
-            Job.error_code.is_(None) | Job.error_code.not_in(STORAGE_WAITS),
-        )
-        .order_by(Job.created_at)
-        .limit(limit)
-    )
-    ids = list(session.scalars(stmt).all())
+    ids = repository.unenqueued_ids(session, older_than, STORAGE_WAITS, limit)
     session.rollback()
     return ids
 
@@ -560,24 +523,16 @@ def list_unenqueued(session: Session, older_than: datetime, limit: int = 100) ->
 def list_unclaimed(session: Session, enqueued_before: datetime, limit: int = 100) -> list[str]:
     """Ids of queued jobs sent to the broker before `enqueued_before` and still not claimed
     (their message may be lost: a broker restarted without persistence, a failover)."""
-    stmt = (
-        select(Job.id)
-        .where(Job.status == QUEUED, Job.enqueued_at < enqueued_before)
-        .order_by(Job.enqueued_at)
-        .limit(limit)
-    )
-    ids = list(session.scalars(stmt).all())
+    ids = repository.unclaimed_ids(session, enqueued_before, limit)
     session.rollback()
     return ids
 
 
 def count_enqueued(session: Session) -> int:
     """Queued jobs whose message was sent (each should have one waiting in the broker)."""
-    n = session.scalar(
-        select(func.count()).select_from(Job).where(Job.status == QUEUED, Job.enqueued_at.is_not(None))
-    )
+    n = repository.count_enqueued(session)
     session.rollback()
-    return int(n or 0)
+    return n
 
 
 @dataclass(frozen=True)
@@ -592,13 +547,7 @@ def list_storage_waiting(
 ) -> list[StorageWait]:
     """Queued jobs put back because the storage was full (or, with code=storage_unavailable,
     the artifact store unreachable), not yet sent again."""
-    stmt = (
-        select(Job.id, Job.wait_free_bytes, Job.updated_at)
-        .where(Job.status == QUEUED, Job.enqueued_at.is_(None), Job.error_code == code)
-        .order_by(Job.updated_at)
-        .limit(limit)
-    )
-    rows = [StorageWait(i, b, u) for i, b, u in session.execute(stmt).all()]
+    rows = [StorageWait(i, b, u) for i, b, u in repository.storage_waiting(session, code, limit)]
     session.rollback()
     return rows
 
@@ -616,9 +565,7 @@ def requeue_stale(
     )
     cutoff = now - timeout
     stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff]
-    rows = session.execute(
-        select(Job.id, Job.attempts, Job.cancel_requested).where(*stale_cond)
-    ).all()
+    rows = repository.stale_running(session, stale_cond)
     session.rollback()
     out = StaleSweep()
     for job_id, attempts, cancel in rows:
