@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from higgs_engine.planning.allocator import LayerSpec, Option, build_problem, solve
+from higgs_engine.planning.allocator import AllocLayer, Option, build_problem, solve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
@@ -36,10 +36,10 @@ SHAPES = {
 }
 
 
-def instance(seed: int = 0) -> tuple[list[LayerSpec], list[Option]]:
+def instance(seed: int = 0) -> tuple[list[AllocLayer], list[Option]]:
     rng = np.random.default_rng(seed)
     layers = [
-        LayerSpec(f"model.layers.{b}.{name}", o, i, float(rng.lognormal(0.0, 1.5)))
+        AllocLayer(f"model.layers.{b}.{name}", o, i, float(rng.lognormal(0.0, 1.5)))
         for b in range(32)
         for name, (o, i) in SHAPES.items()
     ]

@@ -36,7 +36,7 @@ __all__ = [
     "KEEP_16",
     "Allocation",
     "DPTable",
-    "LayerSpec",
+    "AllocLayer",
     "Option",
     "ParetoPoint",
     "Problem",
@@ -89,8 +89,9 @@ def grid_bits(option: Option) -> float:
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """A quantizable layer as the allocator sees it: its shape and its sensitivity alpha."""
+class AllocLayer:
+    """A quantizable layer as the allocator sees it: its shape and its sensitivity alpha
+    (checkpoint.LayerSpec is the layer as the checkpoint holds it: tensor keys, layout)."""
 
     name: str
     out_features: int
@@ -140,7 +141,7 @@ class Problem:
 
 
 def build_problem(
-    layers: Sequence[LayerSpec],
+    layers: Sequence[AllocLayer],
     options: Sequence[Option] | None = None,
     *,
     group_size: int = 256,

@@ -23,8 +23,8 @@ from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.allocator import (
     _FP16_BITS,
     Allocation,
+    AllocLayer,
     DPTable,
-    LayerSpec,
     Option,
     ParetoPoint,
     build_problem,
@@ -185,7 +185,7 @@ class Plan:
 
 def layer_specs_from_profile(
     profile: Profile, names: Sequence[str] | None = None
-) -> list[LayerSpec]:
+) -> list[AllocLayer]:
     """Allocator inputs from the profile (shape and alpha per layer); `names` must all be in it."""
     by_name = {la.name: la for la in profile.layers}
     wanted = list(names) if names is not None else [la.name for la in profile.layers]
@@ -196,7 +196,7 @@ def layer_specs_from_profile(
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
     return [
-        LayerSpec(n, by_name[n].shape[0], by_name[n].shape[1], max(0.0, by_name[n].alpha))
+        AllocLayer(n, by_name[n].shape[0], by_name[n].shape[1], max(0.0, by_name[n].alpha))
         for n in wanted
     ]
 

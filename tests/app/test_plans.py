@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.plans.planner import avg_bits_floor, compute_plan
 from app.plans.profiles import find_profiles, store_profile
-from higgs_engine.planning.allocator import KEEP_16, LayerSpec, Option, build_problem, solve
+from higgs_engine.planning.allocator import KEEP_16, AllocLayer, Option, build_problem, solve
 from higgs_engine.planning.plans import KL_TO_PPL
 from higgs_engine.planning.profile import Profile
 from tests.fixtures import assert_problem
@@ -197,7 +197,7 @@ def test_compute_plan_directly_and_the_up_front_floor() -> None:
     assert out["allocation"]["avg_bits"] <= 2.5
     # The up-front floor is a true lower bound: the model's exact floor is above it.
     prob = build_problem(
-        [LayerSpec("a", 256, 512, 1.0)],
+        [AllocLayer("a", 256, 512, 1.0)],
         [Option(1, 2), Option(KEEP_16, 0)],
     )
     assert avg_bits_floor(256, 1) <= prob.min_avg_bits()

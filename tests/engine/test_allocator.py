@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
 from higgs_engine.planning.allocator import (
+    AllocLayer,
     DPTable,
-    LayerSpec,
     Option,
     allocate,
     brute_force,
@@ -97,7 +97,7 @@ def test_layer_bits_match_the_quantizer_byte_for_byte(
 
 
 def test_grid_storage_is_counted_once_per_distinct_grid() -> None:
-    layers = [LayerSpec("a", 64, 64, 1.0), LayerSpec("b", 64, 64, 1.0)]
+    layers = [AllocLayer("a", 64, 64, 1.0), AllocLayer("b", 64, 64, 1.0)]
     problem = build_problem(layers, [Option(2, 16), Option(2, 256)], mse=fake_mse)
     one = 2 * layer_bits(Option(2, 256), 64, 64) + grid_bits(Option(2, 256))
     assert problem.total_bits([1, 1]) == one
@@ -107,13 +107,13 @@ def test_grid_storage_is_counted_once_per_distinct_grid() -> None:
 
 def test_odd_widths_cannot_take_p2_grids() -> None:
     problem = build_problem(
-        [LayerSpec("odd", 8, 63, 1.0)], [Option(2, 256), Option(1, 16), Option(0, 0)], mse=fake_mse
+        [AllocLayer("odd", 8, 63, 1.0)], [Option(2, 256), Option(1, 16), Option(0, 0)], mse=fake_mse
     )
     assert not problem.allowed[0, 0]
     a = solve(problem).allocate(100.0)
     assert a.options[0] in (Option(1, 16), Option(0, 0))
     with pytest.raises(InvalidConfigError, match="no allowed option"):
-        build_problem([LayerSpec("odd", 8, 63, 1.0)], [Option(2, 256)], mse=fake_mse)
+        build_problem([AllocLayer("odd", 8, 63, 1.0)], [Option(2, 256)], mse=fake_mse)
 
 
 def test_layer_bits_rejects_bad_shapes() -> None:
@@ -121,10 +121,10 @@ def test_layer_bits_rejects_bad_shapes() -> None:
         layer_bits(Option(2, 256), -1, 64)
 
 
-def random_layers(rng: np.random.Generator, n_layers: int) -> list[LayerSpec]:
+def random_layers(rng: np.random.Generator, n_layers: int) -> list[AllocLayer]:
     widths = [64, 96, 128, 192, 256]
     return [
-        LayerSpec(
+        AllocLayer(
             f"l{i}", int(rng.choice(widths)), int(rng.choice(widths)), float(rng.lognormal(0, 2))
         )
         for i in range(n_layers)
@@ -195,7 +195,7 @@ def test_same_input_same_allocation_byte_for_byte() -> None:
     rng = np.random.default_rng(3)
     layers = random_layers(rng, 30)
     # many exact ties: identical layers with identical alphas
-    layers += [LayerSpec(f"tie{i}", 128, 128, 1.0) for i in range(6)]
+    layers += [AllocLayer(f"tie{i}", 128, 128, 1.0) for i in range(6)]
     runs = []
     for _ in range(2):
         problem = build_problem(layers, default_options(), mse=fake_mse)
@@ -216,7 +216,7 @@ def test_allocate_with_a_capped_table_equals_the_full_table() -> None:
 
 
 def test_infeasible_budget_names_the_budget_and_the_minimum() -> None:
-    problem = build_problem([LayerSpec("a", 64, 64, 1.0)], [Option(2, 256)], mse=fake_mse)
+    problem = build_problem([AllocLayer("a", 64, 64, 1.0)], [Option(2, 256)], mse=fake_mse)
     min_bits = problem.min_avg_bits()
     with pytest.raises(InfeasibleTargetError) as e:
         allocate(problem, 2.0)
@@ -229,11 +229,11 @@ def test_infeasible_budget_names_the_budget_and_the_minimum() -> None:
 
 def test_bad_alpha_and_empty_inputs_are_rejected() -> None:
     with pytest.raises(InvalidConfigError, match="alpha"):
-        build_problem([LayerSpec("a", 64, 64, -1.0)], mse=fake_mse)
+        build_problem([AllocLayer("a", 64, 64, -1.0)], mse=fake_mse)
     with pytest.raises(InvalidConfigError, match="no layers"):
         build_problem([], mse=fake_mse)
     with pytest.raises(InvalidConfigError, match="resolution"):
-        solve(build_problem([LayerSpec("a", 64, 64, 1.0)], mse=fake_mse), None, 0.0)
+        solve(build_problem([AllocLayer("a", 64, 64, 1.0)], mse=fake_mse), None, 0.0)
 
 
 def test_pareto_curve_is_monotone_and_ends_at_zero_error() -> None:
@@ -253,7 +253,7 @@ def test_pareto_curve_is_monotone_and_ends_at_zero_error() -> None:
 
 
 def test_more_bits_never_predict_worse_and_sensitive_layers_get_more() -> None:
-    layers = [LayerSpec("quiet", 256, 256, 0.01), LayerSpec("loud", 256, 256, 10.0)]
+    layers = [AllocLayer("quiet", 256, 256, 0.01), AllocLayer("loud", 256, 256, 10.0)]
     problem = build_problem(layers, default_options(), mse=fake_mse)
     table = solve(problem)
     prev = math.inf
@@ -266,7 +266,7 @@ def test_more_bits_never_predict_worse_and_sensitive_layers_get_more() -> None:
 
 
 def test_overrides_make_a_valid_config() -> None:
-    layers = [LayerSpec(f"m.{i}", 64, 128, float(i + 1)) for i in range(5)]
+    layers = [AllocLayer(f"m.{i}", 64, 128, float(i + 1)) for i in range(5)]
     a = allocate(build_problem(layers, default_options(), mse=fake_mse), 5.0)
     cfg = HiggsConfig(overrides=a.overrides())
     for name, o in zip(a.names, a.options, strict=True):
@@ -274,7 +274,7 @@ def test_overrides_make_a_valid_config() -> None:
 
 
 def test_measured_mse_replaces_grid_mse() -> None:
-    layers = [LayerSpec("a", 64, 64, 2.0)]
+    layers = [AllocLayer("a", 64, 64, 2.0)]
     measured = np.array([[0.5, 0.25]])
     problem = build_problem(layers, [Option(2, 16), Option(2, 256)], measured_mse=measured)
     assert problem.error.tolist() == [[1.0, 0.5]]
