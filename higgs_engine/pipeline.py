@@ -15,13 +15,14 @@ import contextlib
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from higgs_engine.checkpoint import (
     CheckpointReader,
     LayerSpec,
+    ResolvedSource,
     is_skipped,
     layer_specs,
     load_config,
@@ -35,6 +36,7 @@ from higgs_engine.report import LayerReport, Report
 if TYPE_CHECKING:
     import torch
 
+    from higgs_engine.artifacts import ArtifactWriter
     from higgs_engine.calibration import Calibration
     from higgs_engine.quantize import QuantizedMatrix
 
@@ -277,18 +279,19 @@ def quantize_checkpoint(
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         rep = _run(
-            source,
-            out_dir,
-            tmp,
-            config,
-            progress,
-            revision,
-            token,
-            cache_dir,
-            hub_cache_dir,
-            local_files_only,
-            dev,
-            calibration,
+            _RunContext(
+                source=source,
+                tmp=tmp,
+                config=config,
+                progress=progress,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                hub_cache_dir=hub_cache_dir,
+                local_files_only=local_files_only,
+                device=dev,
+                calibration=calibration,
+            )
         )
         _publish(tmp, out_dir)
         return rep
@@ -300,152 +303,229 @@ def quantize_checkpoint(
         raise
 
 
-def _run(
-    source: str | Path,
-    out_dir: Path,
-    tmp: Path,
-    config: HiggsConfig,
-    progress: ProgressCallback | None,
-    revision: str | None,
-    token: str | None,
-    cache_dir: Path | None,
-    hub_cache_dir: Path | None,
-    local_files_only: bool,
-    device: torch.device,
-    calibration: Calibration | None = None,
-) -> Report:
-    from higgs_engine.artifacts import ArtifactWriter
+@dataclass
+class _RunContext:
+    """What one quantize_checkpoint run works with; `timings` fills in stage by stage."""
 
-    timings: dict[str, float] = {}
-    t_start = t0 = time.perf_counter()
+    source: str | Path
+    tmp: Path  # the temporary output directory, renamed to out_dir at the end
+    config: HiggsConfig
+    progress: ProgressCallback | None
+    revision: str | None
+    token: str | None
+    cache_dir: Path | None
+    hub_cache_dir: Path | None
+    local_files_only: bool
+    device: torch.device
+    calibration: Calibration | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
-    report(progress, "resolving", 0, 1)
-    src = resolve_source(
-        source,
-        revision,
-        token,
-        cache_dir=cache_dir,
-        hub_cache_dir=hub_cache_dir,
-        local_files_only=local_files_only,
-    )
-    report(progress, "resolving", 1, 1)
-    timings["resolving"] = time.perf_counter() - t0
 
+@dataclass
+class _Written:
+    """What the quantizing and packaging stages produced, for the report."""
+
+    rows: dict[str, LayerReport]
+    files: dict[str, dict[str, int]]
+    grid_bytes: int
+    native_bytes: int
+    bytes_before: int
+    params_total: int
+    calibration: dict[str, object] | None
+
+
+def _run(ctx: _RunContext) -> Report:
+    t_start = time.perf_counter()
+    src = _resolve(ctx)
     t0 = time.perf_counter()
-    report(progress, "loading", 0, 1)
+    report(ctx.progress, "loading", 0, 1)
     hf_config = load_config(src.path)
     with CheckpointReader(src.path) as reader:
         specs = layer_specs(hf_config, reader.keys())
-        plans = plan_layers(specs, config)
-        by_key = {pl.spec.key: pl for pl in plans}
-        report(progress, "loading", 1, 1)
-        timings["loading"] = time.perf_counter() - t0
+        plans = plan_layers(specs, ctx.config)
+        report(ctx.progress, "loading", 1, 1)
+        ctx.timings["loading"] = time.perf_counter() - t0
+        written = _write_artifacts(ctx, src.path, hf_config, reader, plans)
+    ctx.timings["total"] = time.perf_counter() - t_start
+    rep = _build_report(ctx, src, hf_config, specs, plans, written)
+    rep.save(ctx.tmp / "report.json")
+    report(ctx.progress, "packaging", 1, 1)
+    return rep
+
+
+def _resolve(ctx: _RunContext) -> ResolvedSource:
+    t0 = time.perf_counter()
+    report(ctx.progress, "resolving", 0, 1)
+    src = resolve_source(
+        ctx.source,
+        ctx.revision,
+        ctx.token,
+        cache_dir=ctx.cache_dir,
+        hub_cache_dir=ctx.hub_cache_dir,
+        local_files_only=ctx.local_files_only,
+    )
+    report(ctx.progress, "resolving", 1, 1)
+    ctx.timings["resolving"] = time.perf_counter() - t0
+    return src
+
+
+def _write_artifacts(
+    ctx: _RunContext,
+    path: Path,
+    hf_config: object,
+    reader: CheckpointReader,
+    plans: list[LayerPlan],
+) -> _Written:
+    """Stages calibrating (if asked), quantizing and packaging into ctx.tmp."""
+    from higgs_engine.artifacts import ArtifactWriter
+
+    t0 = time.perf_counter()
+    todo = [pl for pl in plans if pl.grid is not None]
+    report(ctx.progress, "quantizing", 0, len(todo))
+    ctx.tmp.mkdir()
+    config = ctx.config
+    writer = ArtifactWriter(ctx.tmp, config.formats, config.dtype, path, config.to_dict())
+    try:
+        calibrated: dict[str, QuantizedMatrix] = {}
+        cal_info: dict[str, object] | None = None
+        if ctx.calibration is not None:
+            t_cal = time.perf_counter()
+            calibrated, cal_info = calibrate_layers(
+                path, hf_config, reader, todo, config, ctx.calibration, ctx.progress
+            )
+            ctx.timings["calibrating"] = time.perf_counter() - t_cal
+        rows = _stream_tensors(ctx, reader, plans, writer, calibrated, len(todo))
+        ctx.timings["quantizing"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        todo = [pl for pl in plans if pl.grid is not None]
-        total = len(todo)
-        report(progress, "quantizing", 0, total)
-        tmp.mkdir()
-        writer = ArtifactWriter(tmp, config.formats, config.dtype, src.path, config.to_dict())
-        rows: dict[str, LayerReport] = {}
-        done = 0
-        try:
-            calibrated: dict[str, QuantizedMatrix] = {}
-            cal_info: dict[str, object] | None = None
-            if calibration is not None:
-                t_cal = time.perf_counter()
-                calibrated, cal_info = calibrate_layers(
-                    src.path, hf_config, reader, todo, config, calibration, progress
-                )
-                timings["calibrating"] = time.perf_counter() - t_cal
-            for key in reader:
-                pl = by_key.get(key)
-                if pl is None or pl.grid is None:
-                    nbytes = writer.add_plain(key, reader.get(key))
-                    if pl is not None:
-                        writer.keep_layer(pl.spec.name)
-                        s = pl.spec
-                        rows[s.name] = LayerReport(
-                            name=s.name,
-                            shape=[s.out_features, s.in_features],
-                            p=0,
-                            n=0,
-                            bits=8.0 * nbytes / s.numel,
-                            rel_error=0.0,
-                            bytes=nbytes,
-                        )
-                    continue
-                p, n = pl.grid
-                w = pl.spec.weight(reader)  # (out, in) float32
-                if pl.spec.name in calibrated:
-                    from higgs_engine.quantize import dequantize_matrix, relative_error
+        report(ctx.progress, "packaging", 0, 1)
+        files = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    written = _Written(
+        rows=rows,
+        files=files,
+        grid_bytes=writer.grid_bytes,
+        native_bytes=writer.native_bytes,
+        bytes_before=reader.total_bytes,
+        params_total=sum(reader.numel(k) for k in reader),
+        calibration=cal_info,
+    )
+    ctx.timings["packaging"] = time.perf_counter() - t0
+    return written
 
-                    q = calibrated.pop(pl.spec.name)
-                    w_hat = dequantize_matrix(q)
-                    err = float(relative_error(w, w_hat))
-                else:
-                    q, w_hat, err = quantize_layer_full(w, p, n, config, device)
-                del w
-                nbytes = writer.add_quantized(pl.spec, q, w_hat)
-                del w_hat
-                rows[pl.spec.name] = LayerReport(
-                    name=pl.spec.name,
-                    shape=[pl.spec.out_features, pl.spec.in_features],
-                    p=p,
-                    n=n,
-                    bits=float(q.bits_per_weight()),
-                    rel_error=err,
-                    bytes=nbytes,
-                )
-                done += 1
-                # Between layers: the callback may cancel (False / CancelledError).
-                report(progress, "quantizing", done, total)
-            timings["quantizing"] = time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            report(progress, "packaging", 0, 1)
-            files = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
-        bytes_before = reader.total_bytes
-        params_total = sum(reader.numel(k) for k in reader)
-    timings["packaging"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - t_start
+def _stream_tensors(
+    ctx: _RunContext,
+    reader: CheckpointReader,
+    plans: list[LayerPlan],
+    writer: ArtifactWriter,
+    calibrated: dict[str, QuantizedMatrix],
+    total: int,
+) -> dict[str, LayerReport]:
+    """Every tensor of the checkpoint, in file order, into the writer: planned layers
+    quantized (or taken from `calibrated`), the rest cast. Returns the per-layer rows."""
+    by_key = {pl.spec.key: pl for pl in plans}
+    rows: dict[str, LayerReport] = {}
+    done = 0
+    for key in reader:
+        pl = by_key.get(key)
+        if pl is None or pl.grid is None:
+            nbytes = writer.add_plain(key, reader.get(key))
+            if pl is not None:
+                writer.keep_layer(pl.spec.name)
+                bits = 8.0 * nbytes / pl.spec.numel
+                rows[pl.spec.name] = _layer_row(pl.spec, 0, 0, bits, 0.0, nbytes)
+            continue
+        rows[pl.spec.name] = _quantize_one(ctx, reader, pl.spec, pl.grid, writer, calibrated)
+        done += 1
+        # Between layers: the callback may cancel (False / CancelledError).
+        report(ctx.progress, "quantizing", done, total)
+    return rows
 
-    layers = [rows[s.name] for s in specs]
+
+def _quantize_one(
+    ctx: _RunContext,
+    reader: CheckpointReader,
+    spec: LayerSpec,
+    grid: tuple[int, int],
+    writer: ArtifactWriter,
+    calibrated: dict[str, QuantizedMatrix],
+) -> LayerReport:
+    """One planned layer: quantized with its (p, n) grid (or calibrated), written, its row."""
+    p, n = grid
+    w = spec.weight(reader)  # (out, in) float32
+    if spec.name in calibrated:
+        from higgs_engine.quantize import dequantize_matrix, relative_error
+
+        q = calibrated.pop(spec.name)
+        w_hat = dequantize_matrix(q)
+        err = float(relative_error(w, w_hat))
+    else:
+        q, w_hat, err = quantize_layer_full(w, p, n, ctx.config, ctx.device)
+    del w
+    nbytes = writer.add_quantized(spec, q, w_hat)
+    del w_hat
+    return _layer_row(spec, p, n, float(q.bits_per_weight()), err, nbytes)
+
+
+def _layer_row(
+    spec: LayerSpec, p: int, n: int, bits: float, rel_error: float, nbytes: int
+) -> LayerReport:
+    return LayerReport(
+        name=spec.name,
+        shape=[spec.out_features, spec.in_features],
+        p=p,
+        n=n,
+        bits=bits,
+        rel_error=rel_error,
+        bytes=nbytes,
+    )
+
+
+def _build_report(
+    ctx: _RunContext,
+    src: ResolvedSource,
+    hf_config: Any,
+    specs: list[LayerSpec],
+    plans: list[LayerPlan],
+    written: _Written,
+) -> Report:
+    config = ctx.config
+    layers = [written.rows[s.name] for s in specs]
     lin_numel = sum(s.numel for s in specs)
-    lin_bytes = sum(r.bytes for r in layers) + writer.grid_bytes
+    lin_bytes = sum(r.bytes for r in layers) + written.grid_bytes
     quantized = [r for r in layers if r.p]
     q_numel = sum(r.shape[0] * r.shape[1] for r in quantized)
     metrics = {
         "linear_layers": len(layers),
         "quantized_layers": len(quantized),
         "kept_16bit": {pl.spec.name: pl.reason for pl in plans if pl.grid is None},
-        "grid_bytes": writer.grid_bytes,
+        "grid_bytes": written.grid_bytes,
         "code_bits": config.code_bits,
-        "device": str(device),
+        "device": str(ctx.device),
         "mean_rel_error": (
             sum(r.rel_error * r.shape[0] * r.shape[1] for r in quantized) / q_numel
             if q_numel
             else 0.0
         ),
-        "files": files,
+        "files": written.files,
     }
-    if cal_info is not None:
-        metrics["calibration"] = cal_info
-    rep = Report(
+    if written.calibration is not None:
+        metrics["calibration"] = written.calibration
+    return Report(
         bits_per_weight=8.0 * lin_bytes / lin_numel,
-        bits_per_param_total=8.0 * writer.native_bytes / params_total,
-        bytes_before=bytes_before,
-        bytes_after=writer.native_bytes,
-        params_total=params_total,
+        bits_per_param_total=8.0 * written.native_bytes / written.params_total,
+        bytes_before=written.bytes_before,
+        bytes_after=written.native_bytes,
+        params_total=written.params_total,
         params_quantized=q_numel,
         layers=layers,
-        timings=timings,
+        timings=ctx.timings,
         config=config.to_dict(),
         source={
-            "id": str(source),
+            "id": str(ctx.source),
             "revision": src.revision,
             "kind": src.kind,
             "architecture": (getattr(hf_config, "architectures", None) or [None])[0],
@@ -456,6 +536,3 @@ def _run(
         formats=list(config.formats),
         metrics=metrics,
     )
-    rep.save(tmp / "report.json")
-    report(progress, "packaging", 1, 1)
-    return rep
