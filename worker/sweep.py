@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from app.artifacts.store import store_from_settings
 from app.db.base import utcnow
 from app.jobs import state
 from app.settings import Settings
+from worker.periodic import PeriodicThread
 
 log = logging.getLogger("worker.sweep")
 
@@ -177,7 +177,7 @@ def _store_ready(sessions: sessionmaker[Session], settings: Settings) -> list[st
     return ready
 
 
-class SweepThread:
+class SweepThread(PeriodicThread):
     """Runs sweep() every `interval` seconds in a daemon thread (inside the worker's main
     process, which stays free while the pool runs jobs)."""
 
@@ -191,29 +191,15 @@ class SweepThread:
         """run_once(requeue_stale) does one pass. After a pass that failed (the database or
         broker away), passes run with requeue_stale=False until outage_grace_s (the heartbeat
         timeout) has passed since the first pass that worked again."""
+        super().__init__("higgs-sweep", interval)
         self.run_once = run_once
-        self.interval = interval
         self.outage_grace_s = outage_grace_s
         self.clock = clock
         self._failed = False
         self._back_at: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="higgs-sweep", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        # First pass right away: a restarted worker picks up what its predecessor left.
-        while True:
-            self.pass_once()
-            if self._stop.wait(self.interval):
-                return
+    def tick(self) -> None:
+        self.pass_once()
 
     def stale_checks_allowed(self) -> bool:
         if self._failed:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from higgs_cli.main import main
-from tests.fixtures import build_tiny_checkpoint
+from tests.fixtures import build_tiny_checkpoint, measure_tiny_profile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,23 +25,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def profile_file(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("profile") / "profile.json"
-    rc = main(
-        [
-            "profile",
-            str(ckpt),
-            "--random-tokens",
-            "--tokens",
-            "64",
-            "--context",
-            "32",
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
-    assert rc == 0
-    return out
+    return measure_tiny_profile(ckpt, tmp_path_factory.mktemp("profile") / "profile.json")
 
 
 def test_cli_plan_and_dynamic_quantize(

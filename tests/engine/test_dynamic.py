@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from higgs_cli.main import main
 from higgs_engine.dynamic import run_dynamic
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
 from higgs_engine.planning.config import HiggsConfig
@@ -26,7 +25,7 @@ from higgs_engine.planning.plans import (
 )
 from higgs_engine.planning.profile import LayerAlpha, Profile, ProfileConfig
 from higgs_engine.report import Report
-from tests.fixtures import build_tiny_checkpoint
+from tests.fixtures import build_tiny_checkpoint, measure_tiny_profile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,23 +37,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def profile_file(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("profile") / "profile.json"
-    rc = main(
-        [
-            "profile",
-            str(ckpt),
-            "--random-tokens",
-            "--tokens",
-            "64",
-            "--context",
-            "32",
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-    )
-    assert rc == 0
-    return out
+    return measure_tiny_profile(ckpt, tmp_path_factory.mktemp("profile") / "profile.json")
 
 
 def fake_profile(
