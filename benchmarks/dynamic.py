@@ -177,8 +177,8 @@ def main() -> None:
     log(f"base ppl {base['ppl']:.3f} over {base['tokens']} tokens")
 
     # Calibration: held-out windows after the evaluation windows.
-    from higgs_engine.checkpoint import quantizable_layers
     from higgs_engine.evaluate import text_windows, tokenize
+    from higgs_engine.model_structure import quantizable_layers
 
     ids = tokenize(tok, text)
     held = ids[args.eval_windows * args.context :]

@@ -38,7 +38,8 @@ KEY_RTN = "RTN-4 g128"
 
 def load_linear_weights(model_dir: Path) -> list[torch.Tensor]:
     """The float32 (out, in) weights of every layer the pipeline quantizes, read tensor by tensor."""
-    from higgs_engine.checkpoint import CheckpointReader, layer_specs, load_config
+    from higgs_engine.model_structure import layer_specs, load_config
+    from higgs_engine.safetensors_stream import CheckpointReader
 
     reader = CheckpointReader(model_dir)
     specs = layer_specs(load_config(model_dir), list(reader.keys()))

@@ -81,8 +81,9 @@ class _Lazy:
 def gptq_int4_method(model_dir: Path, data: CalibrationData) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
         from higgs_engine.calibration import run_calibrated
-        from higgs_engine.checkpoint import CheckpointReader, layer_specs, load_config
         from higgs_engine.gptq import gptq_rtn
+        from higgs_engine.model_structure import layer_specs, load_config
+        from higgs_engine.safetensors_stream import CheckpointReader
 
         out: dict[str, tuple[torch.Tensor, float]] = {}
 
@@ -121,7 +122,7 @@ def _from_pipeline(
     """quantize_checkpoint with the calibration, dequantized artifact read back per layer."""
     from safetensors import safe_open
 
-    from higgs_engine.checkpoint import layer_specs, load_config
+    from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.pipeline import quantize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="higgs-cal-") as tmp:
@@ -155,13 +156,13 @@ def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: i
 
 def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: float) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
-        from higgs_engine.checkpoint import quantizable_layers
         from higgs_engine.dynamic import (
             Target,
             config_with_allocation,
             get_profile,
             plan_allocation,
         )
+        from higgs_engine.model_structure import quantizable_layers
         from higgs_engine.planning.config import HiggsConfig
         from higgs_engine.profile import ProfileConfig
 

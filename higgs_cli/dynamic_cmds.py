@@ -338,8 +338,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     target = _target(args.avg_bits, args.max_ppl_increase)
     prof = _load_profile(args.profile)
-    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.planning.plans import plan_allocation, ppl_increase_from
+    from higgs_engine.sources import resolve_source
 
     src = resolve_source(args.source, args.revision, args.token)
     names = quantizable_layers(src.path, cfg.skip)

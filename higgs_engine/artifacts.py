@@ -26,17 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.checkpoint import (
+from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.model_structure import (
     LayerSpec,
     build_meta_model,
     load_config,
     match_key,
     model_class,
-    resolve_source,
-    tokenizer_files,
 )
-from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 from higgs_engine.safetensors_stream import StreamingSafetensorsWriter
+from higgs_engine.sources import resolve_source, tokenizer_files
 
 if TYPE_CHECKING:
     import torch

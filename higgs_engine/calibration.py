@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from higgs_engine.checkpoint import CheckpointReader, LayerSpec
+    from higgs_engine.model_structure import LayerSpec
+    from higgs_engine.safetensors_stream import CheckpointReader
 
 __all__ = [
     "DEFAULT_CALIBRATION_TOKENS",
@@ -205,7 +206,7 @@ def prepare_calibration(
     """The Calibration for quantizing `source`: `text` tokenized with the source's own
     tokenizer, or (text None) self-generated text. Errors name what is wrong before any
     quantization starts."""
-    from higgs_engine.checkpoint import resolve_source
+    from higgs_engine.sources import resolve_source
 
     src = resolve_source(source, revision, token)
     if text is None:
@@ -335,7 +336,7 @@ def run_calibrated(
     import torch
 
     from higgs_engine.artifacts import _model_key, _params_on_meta
-    from higgs_engine.checkpoint import build_meta_model, model_class
+    from higgs_engine.model_structure import build_meta_model, model_class
 
     build_meta_model(hf_config)  # a clear error if transformers cannot build it
     with _params_on_meta():

@@ -156,7 +156,8 @@ def obtain_profile(
     partial one kept by the stores) and saved to every store. compute=False raises
     ProfileNotFoundError instead of measuring.
     """
-    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.model_structure import quantizable_layers
+    from higgs_engine.sources import resolve_source
 
     t0 = time.perf_counter()
     src = resolve_source(source, revision, token)
@@ -271,8 +272,9 @@ def run_dynamic(
     option menu (default: planning.options.option_menu(), every shipped grid and 16-bit).
     With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid).
     """
-    from higgs_engine.checkpoint import quantizable_layers, resolve_source
+    from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.sources import resolve_source
 
     if profile is not None:
         got = ProfileResult(profile, "given", 0.0)

@@ -19,19 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.checkpoint import (
-    CheckpointReader,
-    LayerSpec,
-    ResolvedSource,
-    is_skipped,
-    layer_specs,
-    load_config,
-    resolve_source,
-)
 from higgs_engine.errors import HiggsError, InvalidConfigError
+from higgs_engine.model_structure import LayerSpec, is_skipped, layer_specs, load_config
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
+from higgs_engine.safetensors_stream import CheckpointReader
+from higgs_engine.sources import ResolvedSource, resolve_source
 
 if TYPE_CHECKING:
     import torch

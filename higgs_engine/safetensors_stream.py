@@ -1,6 +1,9 @@
-"""A safetensors writer that streams tensors to disk one at a time.
+"""safetensors streamed one tensor at a time: the reader (`CheckpointReader`) and the writer.
 
-`safetensors.torch.save_file` needs every tensor in memory at once; quantizing a large
+The reader parses the headers and reads one tensor at a time into its own buffer with a plain
+file read (no memory map, see its docstring), so nothing loads a whole model.
+
+The writer: `safetensors.torch.save_file` needs every tensor in memory at once; quantizing a large
 checkpoint must not. Tensors are appended to a scratch data file as they come; `close()` writes
 the header and copies the data into the final file, ordered by tensor name, so that writing the
 same tensors in any order gives byte-identical files.
@@ -12,11 +15,19 @@ spaces to a multiple of 8), then the raw little-endian tensor bytes, contiguous.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from higgs_engine.errors import (
+    CorruptCheckpointError,
+    ModelNotFoundError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -116,3 +127,182 @@ class StreamingSafetensorsWriter:
             self._data.close()
         if self._scratch.exists():
             os.unlink(self._scratch)
+
+
+_ST_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}  # fmt: skip
+_ST_TORCH_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64",
+}  # fmt: skip
+
+
+class CheckpointReader:
+    """Tensor-by-tensor access to a directory of (possibly sharded) safetensors files.
+
+    The safetensors headers are parsed here and each tensor is read with a plain file read into
+    its own buffer. No memory map: pages of a mapped file stay resident (and count in RSS) once
+    touched, so streaming a 2 GB checkpoint through mmap would look like loading all of it.
+    Use as a context manager (or call close()) to release the file handles.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        files = self._files()
+        self._handles: dict[str, io.FileIO] = {}
+        self._where: dict[str, str] = {}
+        # key -> (safetensors dtype, shape, absolute start, absolute end)
+        self._info: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        try:
+            for name in files:
+                self._open(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, name: str) -> None:
+        fp = self.path / name
+        f = open(fp, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._handles[name] = f
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptCheckpointError(f"safetensors file {str(fp)!r} is truncated (no header)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > min(size - 8, 256 << 20):
+            raise CorruptCheckpointError(
+                f"safetensors file {str(fp)!r} has an invalid header length {hlen}"
+            )
+        try:
+            header = json.loads(f.read(hlen))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(
+                f"safetensors file {str(fp)!r} has a corrupt header: {exc}"
+            ) from exc
+        base = 8 + hlen
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = str(entry["dtype"])
+                shape = tuple(int(d) for d in entry["shape"])
+                start, end = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CorruptCheckpointError(
+                    f"safetensors file {str(fp)!r}: bad entry for tensor {key!r}"
+                ) from exc
+            numel = math.prod(shape)
+            if dtype not in _ST_DTYPE_BYTES or end - start != numel * _ST_DTYPE_BYTES[dtype]:
+                raise CorruptCheckpointError(
+                    f"safetensors file {str(fp)!r}: tensor {key!r} has dtype {dtype} shape "
+                    f"{list(shape)} but {end - start} bytes"
+                )
+            if start < 0 or base + end > size:
+                raise CorruptCheckpointError(
+                    f"safetensors file {str(fp)!r} is truncated: tensor {key!r} ends at byte "
+                    f"{base + end} of {size}"
+                )
+            if key in self._where:
+                raise CorruptCheckpointError(
+                    f"tensor {key!r} appears in both {self._where[key]!r} and {name!r}"
+                )
+            self._where[key] = name
+            self._info[key] = (dtype, shape, base + start, base + end)
+
+    def _files(self) -> list[str]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(
+                    f"invalid safetensors index {str(index)!r}: {exc}"
+                ) from exc
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.path / f).is_file()]
+            if missing:
+                raise CorruptCheckpointError(
+                    f"shards listed in {index.name} are missing: {missing}"
+                )
+            return files
+        if (self.path / "model.safetensors").is_file():
+            return ["model.safetensors"]
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors files in {str(self.path)!r}")
+        return files
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._info[key][1]
+
+    def numel(self, key: str) -> int:
+        return math.prod(self._info[key][1])
+
+    def nbytes(self, key: str) -> int:
+        return self._info[key][3] - self._info[key][2]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(k) for k in self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one tensor into fresh memory (nothing stays mapped)."""
+        import torch
+
+        if key not in self._where:
+            raise KeyError(key)
+        dtype, shape, start, end = self._info[key]
+        tdtype = getattr(torch, _ST_TORCH_DTYPES[dtype])
+        if end == start:
+            return torch.empty(shape, dtype=tdtype)
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        f = self._handles[self._where[key]]
+        f.seek(start)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptCheckpointError(
+                    f"cannot read tensor {key!r} from {self._where[key]!r}: file ends early"
+                )
+            got += n
+        return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in self._where:
+            yield key, self.get(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config, module structure, quantizable layers
+# ---------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from higgs_engine.calibration import (
     read_calibration_file,
     run_calibrated,
 )
-from higgs_engine.checkpoint import CheckpointReader, LayerSpec, layer_specs, load_config
 from higgs_engine.errors import CancelledError, InvalidConfigError
 from higgs_engine.gptq import HessianAccumulator
+from higgs_engine.model_structure import LayerSpec, layer_specs, load_config
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix
+from higgs_engine.safetensors_stream import CheckpointReader
 
 KINDS = ["llama", "qwen2", "gemma2", "gpt2"]
 

@@ -10,15 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from higgs_engine.checkpoint import (
-    CheckpointReader,
-    is_skipped,
-    layer_specs,
-    load_config,
-    quantizable_layers,
-    resolve_source,
-)
 from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.model_structure import is_skipped, layer_specs, load_config, quantizable_layers
+from higgs_engine.safetensors_stream import CheckpointReader
+from higgs_engine.sources import resolve_source
 
 EXPECTED_LINEARS = {
     # 2 layers x (q, k, v, o, gate, up, down)

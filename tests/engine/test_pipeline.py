@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 
 from higgs_engine.artifacts import load_model
-from higgs_engine.checkpoint import quantizable_layers
 from higgs_engine.errors import (
     CancelledError,
     CorruptCheckpointError,
     InvalidConfigError,
     ModelNotFoundError,
 )
+from higgs_engine.model_structure import quantizable_layers
 from higgs_engine.pipeline import OutputExistsError, quantize_checkpoint, quantize_layer
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix, relative_error

@@ -1,0 +1,205 @@
+"""A checkpoint's model structure: its config, the model built on the meta device (no weights
+are loaded), and the quantizable linear layers found from the model's own modules
+(`LayerSpec`: module name, tensor keys, layout).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from higgs_engine.errors import (
+    CorruptCheckpointError,
+    HiggsError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from higgs_engine.safetensors_stream import CheckpointReader
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    """The checkpoint's transformers config, without any quantization_config it may carry."""
+    from transformers import AutoConfig
+
+    cfg_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f"no config.json in {str(path)!r}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{str(cfg_file)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise UnsupportedModelError(f"{str(cfg_file)!r} has no model_type")
+    raw.pop("quantization_config", None)
+    model_type = raw.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        # transformers appends every model type it knows (thousands of characters): not those.
+        why = str(exc).split(" Should contain one of")[0].strip()
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by transformers: {why}"
+        ) from exc
+
+
+def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The transformers class named by config.architectures, else the causal-LM auto class."""
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, str(arch), None)
+        if isinstance(cls, type):
+            return cls
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        mapping = auto._model_mapping
+        if type(config) in mapping:
+            found: type[nn.Module] = mapping[type(config)]  # type: ignore[assignment]
+            return found
+    raise UnsupportedModelError(
+        f"transformers has no model class for model_type {config.model_type!r}"
+    )
+
+
+def build_meta_model(config: PretrainedConfig) -> nn.Module:
+    """The model's module tree on the meta device: structure and shapes, no memory."""
+    import torch
+
+    cls = model_class(config)
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(config)  # type: ignore[attr-defined]
+    except HiggsError:
+        raise
+    except Exception as exc:  # transformers raises many types for configs it cannot build
+        raise UnsupportedModelError(
+            f"cannot build {cls.__name__} from the checkpoint config: {exc}"
+        ) from exc
+    return model
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One linear layer of the checkpoint, as the quantizer sees it (W is out x in)."""
+
+    name: str  # module name, e.g. "model.layers.0.mlp.down_proj"
+    key: str  # checkpoint tensor key of its weight
+    out_features: int
+    in_features: int
+    transposed: bool  # True for GPT-2's Conv1D, whose stored weight is (in, out)
+    bias_key: str | None
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def weight(self, reader: CheckpointReader) -> torch.Tensor:
+        """The layer's weight as a float32 (out, in) tensor."""
+        import torch
+
+        w = reader.get(self.key)
+        if self.transposed:
+            w = w.t()
+        return w.to(torch.float32).contiguous()
+
+
+def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    out_emb = None
+    get_out = getattr(model, "get_output_embeddings", None)
+    if callable(get_out):
+        out_emb = get_out()
+    emb_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    found = []
+    for name, mod in model.named_modules():
+        if mod is out_emb or not name:
+            continue
+        if isinstance(mod, nn.Linear):
+            transposed = False
+        elif isinstance(mod, Conv1D):
+            transposed = True
+        else:
+            continue
+        # A weight shared with an embedding (tied head under another name) stays 16-bit.
+        if id(mod.weight) in emb_weights:
+            continue
+        found.append((name, mod, transposed))
+    return found
+
+
+def match_key(key: str, keys: set[str], prefix: str) -> str | None:
+    """The name in `keys` that a stored tensor name stands for (checkpoints may omit, or add,
+    the base-model prefix such as "model"), or None."""
+    if key in keys:
+        return key
+    if prefix and key.startswith(prefix + "."):
+        stripped = key[len(prefix) + 1 :]
+        if stripped in keys:
+            return stripped
+    if prefix and f"{prefix}.{key}" in keys:
+        return f"{prefix}.{key}"
+    return None
+
+
+def layer_specs(
+    config: PretrainedConfig,
+    checkpoint_keys: Sequence[str] | None = None,
+    *,
+    model: nn.Module | None = None,
+) -> list[LayerSpec]:
+    """Every candidate linear layer (nn.Linear / Conv1D, not the output head nor embeddings).
+
+    With `checkpoint_keys`, each spec's `key` is matched to the stored tensor name (checkpoints
+    saved without the base-model prefix are handled) and a missing weight is an error.
+    """
+    model = model if model is not None else build_meta_model(config)
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    keys = set(checkpoint_keys) if checkpoint_keys is not None else None
+    specs = []
+    for name, mod, transposed in _linear_modules(model):
+        w: torch.Tensor = mod.weight  # type: ignore[assignment]
+        out_f, in_f = (
+            (int(w.shape[1]), int(w.shape[0])) if transposed else (int(w.shape[0]), int(w.shape[1]))
+        )
+        key = f"{name}.weight"
+        bias = getattr(mod, "bias", None)
+        bias_key: str | None = f"{name}.bias" if bias is not None else None
+        if keys is not None:
+            matched = match_key(key, keys, prefix)
+            if matched is None:
+                raise CorruptCheckpointError(f"checkpoint has no tensor for layer weight {key!r}")
+            key = matched
+            if bias_key is not None:
+                bias_key = match_key(bias_key, keys, prefix)
+        specs.append(LayerSpec(name, key, out_f, in_f, transposed, bias_key))
+    if not specs:
+        raise UnsupportedModelError(f"{type(model).__name__} has no linear layers to quantize")
+    return specs
+
+
+def is_skipped(name: str, skip: Sequence[str]) -> bool:
+    """True when a module name matches one of the fnmatch patterns in `skip`."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in skip)
+
+
+def quantizable_layers(
+    config: PretrainedConfig | Path | str, skip: Sequence[str] = ()
+) -> list[str]:
+    """Module names of the layers to quantize: every nn.Linear (and GPT-2 Conv1D) except the
+    output head and embeddings, minus those matching a `skip` pattern (fnmatch)."""
+    if isinstance(config, str | Path):
+        config = load_config(Path(config))
+    return [s.name for s in layer_specs(config) if not is_skipped(s.name, skip)]
