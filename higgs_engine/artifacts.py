@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,50 +297,35 @@ def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
-_META_PARAMS = threading.local()  # .depth > 0 while this thread builds a model to load
-_HOOK_LOCK = threading.Lock()
-_hook_installed = False
-
-
-def _install_meta_hook() -> None:
-    """Wrap nn.Module.register_parameter once per process so that a parameter registered by a
-    thread inside _params_on_meta() moves to the meta device. Every other thread (and this
-    one outside the block) gets the original behaviour: the hook consults a thread-local
-    flag, so concurrent model construction elsewhere is never affected."""
-    global _hook_installed
-    from torch import nn
-
-    with _HOOK_LOCK:
-        if _hook_installed:
-            return
-        original = nn.Module.register_parameter
-
-        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            original(module, name, param)
-            if param is not None and getattr(_META_PARAMS, "depth", 0) > 0:
-                p = module._parameters[name]
-                if p is not None:
-                    module._parameters[name] = nn.Parameter(
-                        p.to("meta"), requires_grad=p.requires_grad
-                    )
-
-        nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-        _hook_installed = True
-
-
 @contextlib.contextmanager
 def _params_on_meta() -> Iterator[None]:
     """Create parameters on the meta device but buffers for real, in this thread only.
 
-    Non-persistent buffers (rotary inv_freq, causal masks) are computed in __init__ and never
-    stored in a checkpoint, so they must be real; parameters are filled from the artifact.
+    Parameters of nn.Linear, nn.Embedding and Conv1D are allocated with torch.empty and filled
+    from the artifact; a torch function mode (thread-local, like torch.device) sends those
+    calls to the meta device and nothing else, so nothing global is patched and other threads
+    build their models as usual. Non-persistent buffers (rotary inv_freq, causal masks) are
+    computed in __init__ with other factories and never stored in a checkpoint, so they stay
+    real.
     """
-    _install_meta_hook()
-    _META_PARAMS.depth = getattr(_META_PARAMS, "depth", 0) + 1
-    try:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _EmptyOnMeta(TorchFunctionMode):
+        def __torch_function__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            kwargs = dict(kwargs or {})
+            if func is torch.empty:
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+
+    with _EmptyOnMeta():
         yield
-    finally:
-        _META_PARAMS.depth -= 1
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -426,7 +410,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         )
     # Tied heads are stored once (as the embedding); re-tie after assigning real tensors.
     model.tie_weights()
-    still_meta = [n for n, t in model.named_parameters() if t.is_meta]
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise CorruptCheckpointError(f"native artifact lacks tensors for {still_meta[:5]}")
     # Kept so that save_native can write the same artifact back.
