@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", nargs="*", help="run only these variants (exact names), in this order")
+    ap.add_argument(
+        "--only", nargs="*", help="run only these variants (exact names), in this order"
+    )
     ap.add_argument(
         "--resume", action="store_true", help="keep the rows of an earlier run on the same data"
     )

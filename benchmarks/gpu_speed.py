@@ -34,16 +34,31 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Real shapes: SmolLM2-135M's config, and a 1B-class Llama (TinyLlama-like widths).
 SIZES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
     ),
     "llama-1b": dict(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        tie_word_embeddings=False,
     ),
     "tiny": dict(
-        hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -75,7 +90,9 @@ def run_pipeline(src: Path, out: Path, device: str) -> dict[str, Any]:
     }
 
 
-def matrix_rate(device: str, rows: int = 8192, cols: int = 2048, repeats: int = 3) -> dict[str, Any]:
+def matrix_rate(
+    device: str, rows: int = 8192, cols: int = 2048, repeats: int = 3
+) -> dict[str, Any]:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
     w = w.to(device)
     quantize_matrix(w, 2, 256, device=device)  # warm-up (grid tables / kernels)
@@ -88,13 +105,20 @@ def matrix_rate(device: str, rows: int = 8192, cols: int = 2048, repeats: int = 
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return {"device": device, "shape": [rows, cols], "seconds": best, "weights_per_s": rows * cols / best}
+    return {
+        "device": device,
+        "shape": [rows, cols],
+        "seconds": best,
+        "weights_per_s": rows * cols / best,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
-    ap.add_argument("--sizes", nargs="+", default=["smollm2-135m", "llama-1b"], choices=sorted(SIZES))
+    ap.add_argument(
+        "--sizes", nargs="+", default=["smollm2-135m", "llama-1b"], choices=sorted(SIZES)
+    )
     args = ap.parse_args()
     has_cuda = torch.cuda.is_available()
     devices = ["cpu", "cuda"] if has_cuda else ["cpu"]
@@ -126,7 +150,10 @@ def main() -> int:
     md = ["### GPU check: HIGGS p=2 n=256 quantization on the CPU and on CUDA", ""]
     if not has_cuda:
         md += ["**No CUDA device: only the CPU half ran (a dry run of this script).**", ""]
-    md += ["| model | device | wall s | quantizing s | bits/weight | mean t² |", "|---|---|---|---|---|---|"]
+    md += [
+        "| model | device | wall s | quantizing s | bits/weight | mean t² |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in result["models"]:
         for r in m["runs"]:
             md.append(
@@ -135,7 +162,9 @@ def main() -> int:
             )
     md += ["", "| device | matrix | seconds | weights/s |", "|---|---|---|---|"]
     for r in result["matrix"]:
-        md.append(f"| {r['device']} | {r['shape'][0]}x{r['shape'][1]} | {r['seconds']:.4f} | {r['weights_per_s']:.3g} |")
+        md.append(
+            f"| {r['device']} | {r['shape'][0]}x{r['shape'][1]} | {r['seconds']:.4f} | {r['weights_per_s']:.3g} |"
+        )
     for m in result["models"]:
         if "speedup" in m:
             md.append(

@@ -77,7 +77,9 @@ TARGETS += [
 ]
 
 
-def dynamic_method(model_dir: Path, sim: SimulatedModel, cache_dir: Path | None) -> tuple[Method, dict[str, Any]]:
+def dynamic_method(
+    model_dir: Path, sim: SimulatedModel, cache_dir: Path | None
+) -> tuple[Method, dict[str, Any]]:
     """Dynamic HIGGS at DYNAMIC_BITS as `higgs quantize SRC --avg-bits` runs it with no text:
     the default profile (Fisher, on text the model generates itself; cached in `cache_dir`),
     the DP allocation, and each layer's grid with the default HiggsConfig."""

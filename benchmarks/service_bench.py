@@ -69,8 +69,13 @@ def tiny_model(dest: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(dest), safe_serialization=True)
@@ -108,7 +113,9 @@ async def _load(
             while time.perf_counter() < stop_at:
                 t0 = time.perf_counter()
                 try:
-                    r = await c.request(method, path, json=SUBMIT_BODY if method == "POST" else None)
+                    r = await c.request(
+                        method, path, json=SUBMIT_BODY if method == "POST" else None
+                    )
                     code = str(r.status_code) if r.status_code >= 400 else ""
                 except httpx.HTTPError as e:
                     code = type(e).__name__
@@ -161,8 +168,12 @@ def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, An
         stack.migrate()
         stack.start_api(workers=2, timeout=90)
         key = stack.create_key("bench")
-        r = httpx.post(stack.url + "/v1/jobs", json=SUBMIT_BODY,
-                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r = httpx.post(
+            stack.url + "/v1/jobs",
+            json=SUBMIT_BODY,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
         r.raise_for_status()
         job_id = r.json()["id"]
         for clients in CLIENT_COUNTS:
@@ -172,14 +183,23 @@ def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, An
                 res.update({"backend": backend, "endpoint": name})
                 if ceiling is None:
                     ceiling = res
-                res["throughput_of_ceiling"] = round(
-                    res["throughput_rps"] / ceiling["throughput_rps"], 3
-                ) if ceiling["throughput_rps"] else None
-                res["p50_vs_ceiling"] = round(res["p50_ms"] / ceiling["p50_ms"], 2) if ceiling["p50_ms"] else None
-                res["p99_vs_ceiling"] = round(res["p99_ms"] / ceiling["p99_ms"], 2) if ceiling["p99_ms"] else None
+                res["throughput_of_ceiling"] = (
+                    round(res["throughput_rps"] / ceiling["throughput_rps"], 3)
+                    if ceiling["throughput_rps"]
+                    else None
+                )
+                res["p50_vs_ceiling"] = (
+                    round(res["p50_ms"] / ceiling["p50_ms"], 2) if ceiling["p50_ms"] else None
+                )
+                res["p99_vs_ceiling"] = (
+                    round(res["p99_ms"] / ceiling["p99_ms"], 2) if ceiling["p99_ms"] else None
+                )
                 rows.append(res)
-                print(f"{backend} {clients:>3} clients {name:<34} {res['throughput_rps']:>8} req/s "
-                      f"p50 {res['p50_ms']} ms p99 {res['p99_ms']} ms errors {res['errors']}", flush=True)
+                print(
+                    f"{backend} {clients:>3} clients {name:<34} {res['throughput_rps']:>8} req/s "
+                    f"p50 {res['p50_ms']} ms p99 {res['p99_ms']} ms errors {res['errors']}",
+                    flush=True,
+                )
     finally:
         stack.close()
     return {"backend": backend, "uvicorn_workers": 2, "rows": rows}
@@ -233,7 +253,9 @@ def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
     if with_model and (SMOLLM / "config.json").is_file():
         (models / "smollm2-135m").symlink_to(SMOLLM)
     elif with_model:
-        model_note = f"{SMOLLM} is not prepared (python scripts/prepare_data.py); real-model part skipped"
+        model_note = (
+            f"{SMOLLM} is not prepared (python scripts/prepare_data.py); real-model part skipped"
+        )
     stack = make_stack(root, {"HIGGS_MODELS_DIR": str(models)})
     out: dict[str, Any] = {}
     try:
@@ -241,7 +263,9 @@ def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
         stack.start_api(workers=1, timeout=90)
         stack.start_worker(log_level="WARNING")
         key = stack.create_key("bench")
-        with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        with httpx.Client(
+            base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ) as c:
             body = {"model": {"id": "tiny"}, "target": {"bits": 4}}
             _wait(c, c.post("/v1/jobs", json=body).json()["id"], 300)  # warm-up (worker start)
             waits, totals = [], []
@@ -254,8 +278,11 @@ def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
                 totals.append((_ts(job["finished_at"]) - _ts(job["created_at"])).total_seconds())
             out["queue_latency"] = {
                 "jobs": n_jobs,
-                "submit_to_start_s": {"median": round(statistics.median(waits), 4), "max": round(max(waits), 4),
-                                      "all": [round(w, 4) for w in waits]},
+                "submit_to_start_s": {
+                    "median": round(statistics.median(waits), 4),
+                    "max": round(max(waits), 4),
+                    "all": [round(w, 4) for w in waits],
+                },
                 "tiny_job_total_s": {"median": round(statistics.median(totals), 4)},
                 "broker": "filesystem (embedded default)",
                 "database": "sqlite",
@@ -305,45 +332,63 @@ def _real_job(c: httpx.Client) -> dict[str, Any]:
 
 
 def _api_md(results: dict[str, Any]) -> list[str]:
-    lines = ["## API throughput and latency against the hello-world ceiling", "",
-             "uvicorn --workers 2 with uvloop + httptools (as `higgs serve` and compose run it); "
-             f"{results['duration_s']:g} s per row after a 1 s warm-up; one asyncio client process "
-             "on the same machine (it shares the CPUs with the servers and the database). "
-             "`of ceiling` = throughput / hello-world throughput at the same client count.", "",
-             "| backend | clients | endpoint | req/s | of ceiling | p50 ms | p99 ms | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## API throughput and latency against the hello-world ceiling",
+        "",
+        "uvicorn --workers 2 with uvloop + httptools (as `higgs serve` and compose run it); "
+        f"{results['duration_s']:g} s per row after a 1 s warm-up; one asyncio client process "
+        "on the same machine (it shares the CPUs with the servers and the database). "
+        "`of ceiling` = throughput / hello-world throughput at the same client count.",
+        "",
+        "| backend | clients | endpoint | req/s | of ceiling | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for b in results["api"]:
         if "skipped" in b:
             lines.append(f"| {b['backend']} | skipped: {b['skipped']} | | | | | | |")
             continue
         for r in b["rows"]:
-            lines.append(f"| {r['backend']} | {r['clients']} | {r['endpoint']} | {r['throughput_rps']} | "
-                         f"{r['throughput_of_ceiling']} | {r['p50_ms']} | {r['p99_ms']} | "
-                         f"{sum(r['errors'].values()) or 0} |")
+            lines.append(
+                f"| {r['backend']} | {r['clients']} | {r['endpoint']} | {r['throughput_rps']} | "
+                f"{r['throughput_of_ceiling']} | {r['p50_ms']} | {r['p99_ms']} | "
+                f"{sum(r['errors'].values()) or 0} |"
+            )
     v = results.get("verdict", {})
     if v.get("measured"):
-        lines += ["", f"Target on PostgreSQL, GET job at 50 clients >= 1,000 req/s with p99 < 100 ms: "
-                  f"{v['get_job_50_rps']} req/s, p99 {v['get_job_50_p99_ms']} ms -> "
-                  f"{'met' if v['target_1000_rps_p99_100ms_met'] else 'NOT met'}.",
-                  f"No collapse at 200 clients (no errors, throughput at least half of 50 clients'): "
-                  f"{v['get_job_200_rps']} req/s, errors {v['get_job_200_errors'] or 'none'} -> "
-                  f"{'met' if v['no_collapse_at_200'] else 'NOT met'}."]
+        lines += [
+            "",
+            f"Target on PostgreSQL, GET job at 50 clients >= 1,000 req/s with p99 < 100 ms: "
+            f"{v['get_job_50_rps']} req/s, p99 {v['get_job_50_p99_ms']} ms -> "
+            f"{'met' if v['target_1000_rps_p99_100ms_met'] else 'NOT met'}.",
+            f"No collapse at 200 clients (no errors, throughput at least half of 50 clients'): "
+            f"{v['get_job_200_rps']} req/s, errors {v['get_job_200_errors'] or 'none'} -> "
+            f"{'met' if v['no_collapse_at_200'] else 'NOT met'}.",
+        ]
     return lines
 
 
 def write(results: dict[str, Any], stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    lines = ["# Service benchmark", "", f"Machine: {results['machine']}; 1-minute load average "
-             f"{results.get('load_average_start')} at start, {results.get('load_average_end')} at end "
-             "(other work shares this machine: every figure is capped by it).", ""]
+    lines = [
+        "# Service benchmark",
+        "",
+        f"Machine: {results['machine']}; 1-minute load average "
+        f"{results.get('load_average_start')} at start, {results.get('load_average_end')} at end "
+        "(other work shares this machine: every figure is capped by it).",
+        "",
+    ]
     lines += _api_md(results)
     q = results.get("jobs", {}).get("queue_latency")
     if q:
         s = q["submit_to_start_s"]
-        lines += ["", "## Submit to start (embedded: SQLite + filesystem broker, idle worker)", "",
-                  f"{q['jobs']} tiny jobs: median {s['median']} s, max {s['max']} s "
-                  f"(tiny job end to end: median {q['tiny_job_total_s']['median']} s)."]
+        lines += [
+            "",
+            "## Submit to start (embedded: SQLite + filesystem broker, idle worker)",
+            "",
+            f"{q['jobs']} tiny jobs: median {s['median']} s, max {s['max']} s "
+            f"(tiny job end to end: median {q['tiny_job_total_s']['median']} s).",
+        ]
     rm = results.get("jobs", {}).get("real_model")
     if rm:
         lines += ["", "## A real job: SmolLM2-135M, 4 bits", ""]
@@ -352,24 +397,36 @@ def write(results: dict[str, Any], stem: str) -> None:
         else:
             lines += ["| stage | engine s |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in rm["engine_timings_s"].items()]
-            lines += ["", f"Server total (created -> finished): {rm['server_total_s']} s; engine total "
-                      f"{rm['engine_total_s']} s; submit -> start {rm['submit_to_start_s']} s.",
-                      f"Service overhead: {rm['service_overhead_s']} s = "
-                      f"{100 * rm['service_overhead_share']:.1f}% of the engine time "
-                      f"(target < 10%: {'met' if rm['meets_target'] else 'NOT met'}). Device: {rm['device']}."]
-    lines += ["", "Clients and servers share this machine's CPUs; figures are for this machine only.", ""]
+            lines += [
+                "",
+                f"Server total (created -> finished): {rm['server_total_s']} s; engine total "
+                f"{rm['engine_total_s']} s; submit -> start {rm['submit_to_start_s']} s.",
+                f"Service overhead: {rm['service_overhead_s']} s = "
+                f"{100 * rm['service_overhead_share']:.1f}% of the engine time "
+                f"(target < 10%: {'met' if rm['meets_target'] else 'NOT met'}). Device: {rm['device']}.",
+            ]
+    lines += [
+        "",
+        "Clients and servers share this machine's CPUs; figures are for this machine only.",
+        "",
+    ]
     (RESULTS / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=4.0, help="seconds per endpoint and client count")
+    ap.add_argument(
+        "--duration", type=float, default=4.0, help="seconds per endpoint and client count"
+    )
     ap.add_argument("--jobs", type=int, default=5)
     ap.add_argument("--postgres-url", default=os.environ.get("HIGGS_TEST_POSTGRES_URL"))
     ap.add_argument("--skip-model", action="store_true", help="skip the SmolLM2 job")
-    ap.add_argument("--api-only", action="store_true",
-                    help="only the API table (written to results/service_api.*)")
+    ap.add_argument(
+        "--api-only",
+        action="store_true",
+        help="only the API table (written to results/service_api.*)",
+    )
     args = ap.parse_args()
 
     results: dict[str, Any] = {
@@ -387,7 +444,9 @@ def main() -> int:
         finally:
             drop()
     else:
-        results["api"].append({"backend": "postgresql", "skipped": "no --postgres-url / HIGGS_TEST_POSTGRES_URL"})
+        results["api"].append(
+            {"backend": "postgresql", "skipped": "no --postgres-url / HIGGS_TEST_POSTGRES_URL"}
+        )
     results["verdict"] = verdict(results["api"])
     if not args.api_only:
         results["jobs"] = bench_jobs(args.jobs, not args.skip_model)

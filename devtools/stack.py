@@ -21,7 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 # The installed console script (`python -m higgs_cli.main` would run main.py as __main__, a
 # second copy of the module whose CliError the verb modules do not raise).
 _SCRIPT = Path(sys.executable).with_name("higgs")
-HIGGS = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from higgs_cli.main import main; raise SystemExit(main())"]
+HIGGS = (
+    [str(_SCRIPT)]
+    if _SCRIPT.exists()
+    else [sys.executable, "-c", "from higgs_cli.main import main; raise SystemExit(main())"]
+)
 
 
 def free_port() -> int:
@@ -83,7 +87,11 @@ class Stack:
         log = self.tmp / f"{name}-{len(self.procs)}.log"
         fh = log.open("wb")
         popen = subprocess.Popen(
-            argv, cwd=REPO, env={**self.env, **(extra_env or {})}, stdout=fh, stderr=subprocess.STDOUT,
+            argv,
+            cwd=REPO,
+            env={**self.env, **(extra_env or {})},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         fh.close()
@@ -91,7 +99,9 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def run(self, argv: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, argv: list[str], timeout: float = 120, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(
             argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
         )
@@ -108,7 +118,9 @@ class Stack:
         self.wait_ready(proc, timeout)
         return proc
 
-    def start_worker(self, extra_env: dict[str, str] | None = None, log_level: str = "INFO") -> Proc:
+    def start_worker(
+        self, extra_env: dict[str, str] | None = None, log_level: str = "INFO"
+    ) -> Proc:
         from higgs_cli.service_cmds import worker_command
 
         name = f"w{uuid.uuid4().hex[:6]}@%h"
@@ -138,7 +150,9 @@ class Stack:
         return key
 
     def client(self, key: str) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
 
     def logs(self) -> str:
         return "\n".join(f"===== {p.name} ({p.log.name}) =====\n{p.tail()}" for p in self.procs)

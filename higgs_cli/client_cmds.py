@@ -82,7 +82,9 @@ class Api:
         try:
             return resp.json()
         except ValueError as exc:
-            raise ClientError(f"{method} {path}: the service answered non-JSON ({resp.status_code})") from exc
+            raise ClientError(
+                f"{method} {path}: the service answered non-JSON ({resp.status_code})"
+            ) from exc
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self.json("GET", f"/v1/jobs/{quote(job_id, safe='')}")
@@ -92,7 +94,9 @@ def connect(args: argparse.Namespace) -> Api:
     url = args.url or os.environ.get("HIGGS_URL") or DEFAULT_URL
     key = args.key or os.environ.get("HIGGS_API_KEY")
     if not key:
-        raise ClientError("no API key: pass --key or set HIGGS_API_KEY (create one with `higgs keys create NAME`)")
+        raise ClientError(
+            "no API key: pass --key or set HIGGS_API_KEY (create one with `higgs keys create NAME`)"
+        )
     if not url.startswith(("http://", "https://")):
         raise ClientError(f"--url {url!r} must start with http:// or https://")
     return Api(url, key)
@@ -110,7 +114,9 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
     }
     given = {k: v for k, v in targets.items() if v is not None}
     if len(given) != 1:
-        raise ClientError("give exactly one target: --bits B, --avg-bits B or --max-ppl-increase R", 2)
+        raise ClientError(
+            "give exactly one target: --bits B, --avg-bits B or --max-ppl-increase R", 2
+        )
     model: dict[str, Any] = {"id": args.model}
     if args.revision:
         model["revision"] = args.revision
@@ -164,7 +170,9 @@ def wait_for(
             if (stage, done, total) != last:
                 if last is None or total != last[2] or stage != last[0]:
                     bar.reset(total=total or None)
-                bar.set_description(f"{job.get('status')}:{stage}" if stage else str(job.get("status")))
+                bar.set_description(
+                    f"{job.get('status')}:{stage}" if stage else str(job.get("status"))
+                )
                 bar.n = done
                 bar.refresh()
                 last = (stage, done, total)
@@ -232,7 +240,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(job_id)
             return 0
         print(f"submitted job {job_id}", file=sys.stderr)
-        job = wait_for(api, job_id, interval=args.interval, timeout=args.timeout, show=not args.quiet)
+        job = wait_for(
+            api, job_id, interval=args.interval, timeout=args.timeout, show=not args.quiet
+        )
         if job.get("status") != "succeeded":
             err = job.get("error") or {}
             raise ClientError(
@@ -288,7 +298,9 @@ def safe_relpath(rel: str) -> PurePosixPath:
     return p
 
 
-def download_file(api: Api, url: str, dest: Path, size: int, sha256: str, show: bool = False) -> str:
+def download_file(
+    api: Api, url: str, dest: Path, size: int, sha256: str, show: bool = False
+) -> str:
     """Download one file to `dest`, resuming `dest.part` with a Range request; verify sha256.
 
     Returns "skipped" (already complete), "resumed" or "downloaded".
@@ -315,10 +327,19 @@ def download_file(api: Api, url: str, dest: Path, size: int, sha256: str, show: 
                 mode = "ab" if have else "wb"
                 from tqdm import tqdm
 
-                with part.open(mode) as f, tqdm(
-                    total=size, initial=have, unit="B", unit_scale=True, disable=not show,
-                    desc=dest.name, file=sys.stderr, leave=False,
-                ) as bar:
+                with (
+                    part.open(mode) as f,
+                    tqdm(
+                        total=size,
+                        initial=have,
+                        unit="B",
+                        unit_scale=True,
+                        disable=not show,
+                        desc=dest.name,
+                        file=sys.stderr,
+                        leave=False,
+                    ) as bar,
+                ):
                     for chunk in resp.iter_bytes(CHUNK):
                         f.write(chunk)
                         bar.update(len(chunk))
@@ -329,12 +350,16 @@ def download_file(api: Api, url: str, dest: Path, size: int, sha256: str, show: 
     got = sha256_file(part)
     if got != sha256:
         part.unlink()
-        raise ClientError(f"{dest.name}: sha256 {got} does not match the service's {sha256}; removed, retry")
+        raise ClientError(
+            f"{dest.name}: sha256 {got} does not match the service's {sha256}; removed, retry"
+        )
     os.replace(part, dest)
     return outcome
 
 
-def download_artifact(api: Api, job_id: str, fmt: str, out: Path, show: bool = False) -> dict[str, str]:
+def download_artifact(
+    api: Api, job_id: str, fmt: str, out: Path, show: bool = False
+) -> dict[str, str]:
     """Download every file of the job's `fmt` artifact into `out` (verified); returns path -> outcome."""
     base = f"/v1/jobs/{quote(job_id, safe='')}/artifacts/{quote(fmt, safe='')}"
     listing = api.json("GET", base)
@@ -355,7 +380,9 @@ def download_artifact(api: Api, job_id: str, fmt: str, out: Path, show: bool = F
 def cmd_download(args: argparse.Namespace) -> int:
     api = connect(args)
     try:
-        results = download_artifact(api, args.job_id, args.format, Path(args.out), show=not args.quiet)
+        results = download_artifact(
+            api, args.job_id, args.format, Path(args.out), show=not args.quiet
+        )
     finally:
         api.close()
     for path, outcome in sorted(results.items()):
@@ -381,7 +408,9 @@ def _positive(kind: type) -> Callable[[str], Any]:
 
 
 def _add_conn(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help=f"service URL (env HIGGS_URL, default {DEFAULT_URL})")
+    p.add_argument(
+        "--url", default=None, help=f"service URL (env HIGGS_URL, default {DEFAULT_URL})"
+    )
     p.add_argument("--key", default=None, help="API key (env HIGGS_API_KEY)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
@@ -396,7 +425,9 @@ def register(subparsers: Any) -> None:
         "once per model and cached), which beats one bit width everywhere at the same size; "
         "--bits B quantizes every layer alike, --max-ppl-increase R picks the smallest model within R.",
     )
-    p.add_argument("model", help="Hub id (owner/name) or the name of a model the service serves locally")
+    p.add_argument(
+        "model", help="Hub id (owner/name) or the name of a model the service serves locally"
+    )
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument(
         "--avg-bits",
@@ -404,8 +435,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="recommended: average bits per weight, every overhead counted (dynamic HIGGS)",
     )
-    p.add_argument("--bits", type=_positive(float), default=None, help="uniform HIGGS code bits per weight")
-    p.add_argument("--max-ppl-increase", type=_positive(float), default=None, help="e.g. 0.05 = 5%%")
+    p.add_argument(
+        "--bits", type=_positive(float), default=None, help="uniform HIGGS code bits per weight"
+    )
+    p.add_argument(
+        "--max-ppl-increase", type=_positive(float), default=None, help="e.g. 0.05 = 5%%"
+    )
     p.add_argument("--p", type=int, default=None, help="grid dimension (1 or 2)")
     p.add_argument("--n", type=int, default=None, help="grid size")
     p.add_argument("--group-size", type=int, default=None)
@@ -419,18 +454,21 @@ def register(subparsers: Any) -> None:
         help="calibrated HIGGS: upload this UTF-8 text (POST /v1/calibrations) and use it for the job",
     )
     p.add_argument(
-        "--calibration-tokens", type=_positive(int), default=None, metavar="N",
+        "--calibration-tokens",
+        type=_positive(int),
+        default=None,
+        metavar="N",
         help="calibration tokens (default 8192; the text must have at least N)",
     )
     p.add_argument("--idempotency-key", default=None)
-    p.add_argument(
-        "--webhook-url", default=None, help="POST a signed event here when the job ends"
-    )
+    p.add_argument("--webhook-url", default=None, help="POST a signed event here when the job ends")
     p.add_argument("--wait", action="store_true", help="follow progress until the job ends")
     p.add_argument("--out", default=None, help="with --wait: download the artifact here")
     p.add_argument("--format", default="native", help="artifact format to download (native)")
     p.add_argument("--interval", type=_positive(float), default=0.5, help="poll interval, seconds")
-    p.add_argument("--timeout", type=_positive(float), default=None, help="give up waiting after S seconds")
+    p.add_argument(
+        "--timeout", type=_positive(float), default=None, help="give up waiting after S seconds"
+    )
     _add_conn(p)
     p.set_defaults(handler=cmd_submit)
 
@@ -440,7 +478,9 @@ def register(subparsers: Any) -> None:
     _add_conn(p)
     p.set_defaults(handler=cmd_status)
 
-    p = subparsers.add_parser("download", help="download a job's artifact (resumes, verifies sha256)")
+    p = subparsers.add_parser(
+        "download", help="download a job's artifact (resumes, verifies sha256)"
+    )
     p.add_argument("job_id")
     p.add_argument("--format", default="native")
     p.add_argument("--out", required=True, help="output directory")

@@ -266,7 +266,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         # A dynamic target (per-layer allocation) is handled by the dynamic hooks; they return
         # None when the command asks for plain uniform HIGGS.
         rep = (
-            dyn.dynamic_quantize(args, cfg, bars, calibration=calibration, calibration_text=cal_text)
+            dyn.dynamic_quantize(
+                args, cfg, bars, calibration=calibration, calibration_text=cal_text
+            )
             if dyn is not None
             else None
         )

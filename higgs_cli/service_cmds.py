@@ -34,10 +34,24 @@ QUEUES = "higgs,higgs.gpu"
 
 def api_command(host: str, port: int, workers: int = 1, log_level: str = "info") -> list[str]:
     return [
-        sys.executable, "-m", "uvicorn", API_FACTORY, "--factory",
-        "--host", host, "--port", str(port), "--workers", str(workers),
-        "--loop", "uvloop", "--http", "httptools",
-        "--log-level", log_level, "--no-access-log",
+        sys.executable,
+        "-m",
+        "uvicorn",
+        API_FACTORY,
+        "--factory",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--loop",
+        "uvloop",
+        "--http",
+        "httptools",
+        "--log-level",
+        log_level,
+        "--no-access-log",
     ]
 
 
@@ -47,9 +61,23 @@ def worker_command(
     # Mingle / gossip / event heartbeats are broadcast traffic a single embedded worker does
     # not need (and the filesystem transport cannot fan out).
     return [
-        sys.executable, "-m", "celery", "-A", WORKER_APP, "worker",
-        "-Q", queues, "--concurrency", str(concurrency), "-n", name,
-        "--loglevel", log_level, "--without-mingle", "--without-gossip", "--without-heartbeat",
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        WORKER_APP,
+        "worker",
+        "-Q",
+        queues,
+        "--concurrency",
+        str(concurrency),
+        "-n",
+        name,
+        "--loglevel",
+        log_level,
+        "--without-mingle",
+        "--without-gossip",
+        "--without-heartbeat",
     ]
 
 
@@ -67,7 +95,10 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            argv, env=env, start_new_session=True, preexec_fn=_die_with_parent  # noqa: PLW1509
+            argv,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
 
     def poll(self) -> int | None:
@@ -102,7 +133,9 @@ def stop_children(children: Sequence[Child], grace: float) -> None:
     deadline = time.monotonic() + grace
     for c in children:
         if not c.wait(deadline - time.monotonic()):
-            print(f"higgs serve: {c.name} did not stop within {grace:g}s; killing it", file=sys.stderr)
+            print(
+                f"higgs serve: {c.name} did not stop within {grace:g}s; killing it", file=sys.stderr
+            )
             c.signal(signal.SIGKILL)
             c.wait(5)
 
@@ -173,12 +206,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"broker {settings.broker_url.split('@')[-1]}. Ctrl-C stops.",
             flush=True,
         )
-        print("higgs serve: pids " + " ".join(f"{c.name}={c.proc.pid}" for c in children), flush=True)
+        print(
+            "higgs serve: pids " + " ".join(f"{c.name}={c.proc.pid}" for c in children), flush=True
+        )
         while not stopping:
             for c in children:
                 code = c.poll()
                 if code is not None:
-                    print(f"higgs serve: {c.name} exited with status {code}; stopping", file=sys.stderr)
+                    print(
+                        f"higgs serve: {c.name} exited with status {code}; stopping",
+                        file=sys.stderr,
+                    )
                     rc = 1
                     stopping = True
                     break
@@ -202,9 +240,14 @@ def register_serve(subparsers: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--data-dir", default=None, help="data directory (env HIGGS_DATA_DIR, default ./.higgs)")
     p.add_argument(
-        "--concurrency", type=int, default=None, help="jobs run at once (default HIGGS_WORKER_CONCURRENCY, 1)"
+        "--data-dir", default=None, help="data directory (env HIGGS_DATA_DIR, default ./.higgs)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="jobs run at once (default HIGGS_WORKER_CONCURRENCY, 1)",
     )
     p.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
     p.add_argument("--no-worker", action="store_true", help="run the API only")
@@ -287,7 +330,9 @@ def keys_list(data_dir: str | None = None) -> None:
         rows = session.scalars(select(ApiKey).order_by(ApiKey.created_at)).all()
         for r in rows:
             revoked = f"revoked {r.revoked_at:%Y-%m-%d %H:%M}" if r.revoked_at else "active"
-            print(f"{r.id}  {r.prefix}...  {r.name}  created {r.created_at:%Y-%m-%d %H:%M}  {revoked}")
+            print(
+                f"{r.id}  {r.prefix}...  {r.name}  created {r.created_at:%Y-%m-%d %H:%M}  {revoked}"
+            )
         if not rows:
             print("no API keys; create one with `higgs keys create NAME`")
 
@@ -310,7 +355,6 @@ def register_keys(subparsers: Any) -> None:
     ls.set_defaults(handler=_keys_list_cmd)
 
 
-
 def _models_cmd(args: argparse.Namespace) -> int:
     from app.jobs import local_models
     from app.jobs.model_ref import ModelRefError
@@ -326,7 +370,9 @@ def _models_cmd(args: argparse.Namespace) -> int:
             raise CliError(f"{name!r} is a Hub id; only local model names are registered", 2)
     with _key_sessions(args.data_dir)() as session:
         if args.models_cmd == "register":
-            have = {r.name for r in local_models.listing(session) if r.holder == local_models.OPERATOR}
+            have = {
+                r.name for r in local_models.listing(session) if r.holder == local_models.OPERATOR
+            }
             local_models.register(session, have | set(names), local_models.OPERATOR)
             print(f"registered {', '.join(names)}")
         elif args.models_cmd == "unregister":

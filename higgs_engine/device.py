@@ -22,7 +22,9 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(spec)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise InvalidConfigError(f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}") from e
+        raise InvalidConfigError(
+            f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}"
+        ) from e
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":

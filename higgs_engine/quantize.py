@@ -179,9 +179,7 @@ class QuantizedMatrix:
 
     def validate(self) -> None:
         """Check internal consistency (shapes, dtypes, sizes); CorruptCheckpointError if not."""
-        if sum(self.layout) != self.in_features or any(
-            not is_power_of_two(h) for h in self.layout
-        ):
+        if sum(self.layout) != self.in_features or any(not is_power_of_two(h) for h in self.layout):
             raise CorruptCheckpointError(
                 f"layout {self.layout} does not cover in_features={self.in_features} with powers of two"
             )
@@ -425,7 +423,9 @@ def fit_scales_reference(
             if rule in ("unbiased", "mse-unbiased"):
                 num = float((seg.double() * seg.double()).sum())
                 den = float((seg.double() * best[1].double()).sum())
-                s16 = torch.tensor(float(s16) * (num / den if den > 0 else 1.0), dtype=torch.float64)
+                s16 = torch.tensor(
+                    float(s16) * (num / den if den > 0 else 1.0), dtype=torch.float64
+                )
                 s16 = s16.clamp(max=FP16_MAX).to(torch.float16)
             scales[r, k] = s16
             codes[r, start // p : (start + length) // p] = best[0]
@@ -454,8 +454,17 @@ def quantize_matrix(
     device: where the rotation and the nearest-point search run (default: the CPU, whatever
     W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`)."""
     q, _ = quantize_matrix_full(
-        W, p, n, group_size, rotation_block, sign_seed, grid,
-        device=device, search=search, dequantized=False, scale_rule=scale_rule,
+        W,
+        p,
+        n,
+        group_size,
+        rotation_block,
+        sign_seed,
+        grid,
+        device=device,
+        search=search,
+        dequantized=False,
+        scale_rule=scale_rule,
     )
     return q
 

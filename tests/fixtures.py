@@ -124,7 +124,6 @@ def build_tiny_checkpoint(
 TINY_MODEL = "tiny"
 
 
-
 def measure_tiny_profile(checkpoint: Path, out: Path) -> Path:
     """A data-free noise-injection profile of a tiny checkpoint, measured through `higgs profile`
     on 64 random tokens (cheap enough for a module-scoped fixture)."""
@@ -147,6 +146,7 @@ def measure_tiny_profile(checkpoint: Path, out: Path) -> Path:
     if rc != 0:
         raise RuntimeError(f"higgs profile {checkpoint} exited with {rc}")
     return out
+
 
 def make_hub_cache(hub_cache: Path, repo_id: str, checkpoint: Path, branch: str = "main") -> str:
     """Lay `checkpoint` out as huggingface_hub stores a download, and return the commit sha:

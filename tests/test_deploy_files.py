@@ -75,7 +75,9 @@ def test_dockerfile_copies_files_that_exist() -> None:
     for line in DOCKERFILE.read_text().splitlines():
         if line.startswith("COPY ") and "--from" not in line:
             for src in line.split()[1:-1]:
-                assert (REPO / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
+                assert (REPO / src).exists(), (
+                    f"Dockerfile copies {src}, which is not in the repository"
+                )
 
 
 def test_every_higgs_variable_is_a_setting(compose: dict[str, Any]) -> None:
@@ -86,13 +88,19 @@ def test_every_higgs_variable_is_a_setting(compose: dict[str, Any]) -> None:
     for name, svc in compose["services"].items():
         for var in svc.get("environment") or {}:
             if var.startswith("HIGGS_"):
-                assert var[len("HIGGS_") :].lower() in fields, f"{name}: {var} is not a Settings field"
+                assert var[len("HIGGS_") :].lower() in fields, (
+                    f"{name}: {var} is not a Settings field"
+                )
     for var in env:
         if var.startswith("HIGGS_"):
             assert var[len("HIGGS_") :].lower() in fields, f"{var} is not a Settings field"
     # The values build valid settings (URLs of the production shape).
-    s = Settings(**{k[len("HIGGS_") :].lower(): v for k, v in env.items() if k.startswith("HIGGS_") and v})
-    assert s.database_url.startswith("postgresql+psycopg://") and s.broker_url.startswith("redis://")
+    s = Settings(
+        **{k[len("HIGGS_") :].lower(): v for k, v in env.items() if k.startswith("HIGGS_") and v}
+    )
+    assert s.database_url.startswith("postgresql+psycopg://") and s.broker_url.startswith(
+        "redis://"
+    )
 
 
 def _commands(compose: dict[str, Any]) -> list[list[str]]:
@@ -142,7 +150,15 @@ def test_every_command_exists_and_starts(compose: dict[str, Any], tmp_path: Path
         elif prog in ("redis-server", "pg_isready", "redis-cli", "python"):
             continue  # belong to the public images / the interpreter
         elif prog == "higgs":
-            out = _run([sys.executable, "-c", "from higgs_cli.main import main; raise SystemExit(main())", *cmd[1:2], "--help"])
+            out = _run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from higgs_cli.main import main; raise SystemExit(main())",
+                    *cmd[1:2],
+                    "--help",
+                ]
+            )
             assert out.returncode == 0, out.stderr
         else:
             raise AssertionError(f"unknown command {prog!r} in docker-compose.yml / Dockerfile")
@@ -150,7 +166,15 @@ def test_every_command_exists_and_starts(compose: dict[str, Any], tmp_path: Path
 
 
 def test_higgs_serve_exists() -> None:
-    out = _run([sys.executable, "-c", "from higgs_cli.main import main; raise SystemExit(main())", "serve", "--help"])
+    out = _run(
+        [
+            sys.executable,
+            "-c",
+            "from higgs_cli.main import main; raise SystemExit(main())",
+            "serve",
+            "--help",
+        ]
+    )
     assert out.returncode == 0 and "--data-dir" in out.stdout, out.stderr
 
 
@@ -211,13 +235,20 @@ def _pip_installs(stage: str) -> list[str]:
     return [m.strip() for m in re.findall(r"pip install ([^&\n]+)", re.sub(r"#.*", "", body))]
 
 
-@pytest.mark.parametrize(("package", "extras"), [("app", ("api",)), ("worker", ("worker",)), ("higgs_engine", ("engine",))])
+@pytest.mark.parametrize(
+    ("package", "extras"),
+    [("app", ("api",)), ("worker", ("worker",)), ("higgs_engine", ("engine",))],
+)
 def test_extras_cover_what_each_package_imports(package: str, extras: tuple[str, ...]) -> None:
     have = _closure(*extras)
     missing = {
-        m for m in _third_party_imports(package) if PROVIDED_BY.get(m, m).lower().replace("_", "-") not in have
+        m
+        for m in _third_party_imports(package)
+        if PROVIDED_BY.get(m, m).lower().replace("_", "-") not in have
     }
-    assert missing == set(), f"{package} imports {sorted(missing)}, which the {extras} extras do not install"
+    assert missing == set(), (
+        f"{package} imports {sorted(missing)}, which the {extras} extras do not install"
+    )
 
 
 def test_api_extra_has_no_torch() -> None:
@@ -228,14 +259,18 @@ def test_api_extra_has_no_torch() -> None:
 
 def test_images_install_the_extras_as_a_wheel() -> None:
     text = re.sub(r"#.*", "", DOCKERFILE.read_text())
-    assert not re.search(r"pip install[^\n]*(\s-e\s|--editable)", text), "an editable install in an image"
+    assert not re.search(r"pip install[^\n]*(\s-e\s|--editable)", text), (
+        "an editable install in an image"
+    )
     api, worker = _pip_installs("api"), _pip_installs("worker")
     assert any('"higgs-service[api]"' in cmd for cmd in api), api
     assert any('"higgs-service[worker]"' in cmd for cmd in worker), worker
     # No hand-copied requirement lists: only the project (with an extra) and torch are named.
     for cmd in api + worker:
         for arg in re.findall(r'"([^"]+)"', cmd):
-            assert arg.startswith(("higgs-service[", "torch==", "$")), f"Dockerfile installs {arg!r} by hand"
+            assert arg.startswith(("higgs-service[", "torch==", "$")), (
+                f"Dockerfile installs {arg!r} by hand"
+            )
 
 
 def test_worker_image_torch_is_the_tested_version() -> None:

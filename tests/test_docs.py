@@ -53,8 +53,16 @@ def test_docs_exist() -> None:
 
 
 SKIP_DIRS = {
-    ".git", ".venv", "data", "node_modules", "__pycache__", ".mypy_cache", ".ruff_cache",
-    ".hypothesis", "build", "dist",
+    ".git",
+    ".venv",
+    "data",
+    "node_modules",
+    "__pycache__",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "build",
+    "dist",
 }
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".ini", ".cfg", ".sh", ""}
 

@@ -46,7 +46,10 @@ def evaluate_artifact(
     if tokenizer is None:
         raise InvalidConfigError(f"options.evaluate=true needs a tokenizer; {base_dir} has none")
     # Never beyond the positions the model was built for.
-    context = min(settings.context, int(getattr(base.config, "max_position_embeddings", None) or settings.context))
+    context = min(
+        settings.context,
+        int(getattr(base.config, "max_position_embeddings", None) or settings.context),
+    )
     wins = text_windows(tokenize(tokenizer, text), context, settings.windows)
     base_lp = base_log_probs(base, wins, progress=progress)
     base_res = evaluate_windows(base, wins, None, progress)

@@ -90,7 +90,9 @@ def refuse_outside_links(model_id: str, path: Path, models_dir: Path) -> None:
                 )
 
 
-def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offline: bool) -> ModelSource:
+def _resolve_hub(
+    repo_id: str, revision: str | None, *, token: str | None, offline: bool
+) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -110,11 +112,17 @@ def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offli
             )
         )
     except RevisionNotFoundError as exc:
-        raise ModelNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist on the Hub") from exc
+        raise ModelNotFoundError(
+            f"revision {revision!r} of {repo_id!r} does not exist on the Hub"
+        ) from exc
     except GatedRepoError as exc:
-        raise ModelNotFoundError(f"{repo_id!r} is gated; set HIGGS_HF_TOKEN to a token with access") from exc
+        raise ModelNotFoundError(
+            f"{repo_id!r} is gated; set HIGGS_HF_TOKEN to a token with access"
+        ) from exc
     except RepositoryNotFoundError as exc:
-        raise ModelNotFoundError(f"model {repo_id!r} is not a Hub repository (or it is private)") from exc
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a Hub repository (or it is private)"
+        ) from exc
     except LocalEntryNotFoundError as exc:
         where = "offline mode is on" if offline else "the Hub cannot be reached"
         raise ModelNotFoundError(
@@ -126,7 +134,9 @@ def _resolve_hub(repo_id: str, revision: str | None, *, token: str | None, offli
     # The cache keeps each snapshot under snapshots/<commit sha>/: that name is what was read.
     sha = snap.name if _SHA.match(snap.name) else revision
     if not (snap / "config.json").is_file() or not any(snap.glob("*.safetensors")):
-        raise UnsupportedModelError(f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint")
+        raise UnsupportedModelError(
+            f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint"
+        )
     return ModelSource(path=snap, id=repo_id, kind="hub", revision=sha)
 
 

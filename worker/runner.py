@@ -171,7 +171,9 @@ class ProgressWriter:
     def write(self, stage: str, done: int, total: int) -> bool:
         def once() -> bool:
             with self.sessions() as s:
-                return state.record_progress(s, self.job_id, stage, done, total, worker_id=self.worker_id)
+                return state.record_progress(
+                    s, self.job_id, stage, done, total, worker_id=self.worker_id
+                )
 
         # Through a database outage the engine waits here (retrying), then goes on.
         with self._lock:
@@ -308,7 +310,9 @@ def _job_snapshot(sessions: SessionFactory, job_id: str, budget_s: float = 300.0
     return retry_db(once, f"state of job {job_id}", budget_s)
 
 
-def _ours_now(sessions: SessionFactory, job_id: str, worker_id: str, status: str, budget_s: float) -> bool:
+def _ours_now(
+    sessions: SessionFactory, job_id: str, worker_id: str, status: str, budget_s: float
+) -> bool:
     """After a write whose commit may have landed before its connection broke: is the job
     already in `status`, owned by this worker (then the write did happen)?"""
     job = _job_snapshot(sessions, job_id, budget_s)
@@ -324,7 +328,9 @@ class _Claimed:
     attempt: int
 
 
-def _claim(sessions: SessionFactory, job_id: str, worker_id: str, budget_s: float) -> _Claimed | None:
+def _claim(
+    sessions: SessionFactory, job_id: str, worker_id: str, budget_s: float
+) -> _Claimed | None:
     tries = 0
 
     def once() -> _Claimed | None:
@@ -339,12 +345,16 @@ def _claim(sessions: SessionFactory, job_id: str, worker_id: str, budget_s: floa
                     job = row
             if job is None:
                 return None
-            return _Claimed(job.model_id, dict(job.request), dict(job.config), job.model_revision, job.attempts)
+            return _Claimed(
+                job.model_id, dict(job.request), dict(job.config), job.model_revision, job.attempts
+            )
 
     return retry_db(once, f"claim of job {job_id}", budget_s)
 
 
-def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id: str | None = None) -> Outcome:
+def run_job(
+    sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id: str | None = None
+) -> Outcome:
     """One attempt at the job. Idempotent: a job that is not queued is left alone.
 
     Every database write is retried through an outage (cfg.db_retry_s); only an outage longer
@@ -409,7 +419,9 @@ def run_job(sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id:
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
 
 
-def _fail(sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: Exception) -> Outcome:
+def _fail(
+    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: Exception
+) -> Outcome:
     code = job_error_code(exc)
     message = public_message(exc, message_roots(cfg))
     if code in ("internal_error", "engine_error"):
@@ -482,7 +494,10 @@ def _wait_for_storage(
         log.error(
             "storage full: %s (%s free on the artifacts volume %s after cleanup); job %s and any "
             "other job that needs space wait in the queue until space is freed",
-            storage_error_text(exc), shown, cfg.artifacts_dir, job_id,
+            storage_error_text(exc),
+            shown,
+            cfg.artifacts_dir,
+            job_id,
         )
     else:
         log.info("job %s: storage still full; back in the queue", job_id)
@@ -530,7 +545,11 @@ def _wait_for_store(
 
 
 def _upload(
-    store: ArtifactStore, out: Path, job_id: str, attempt_name: str, formats: list[str],
+    store: ArtifactStore,
+    out: Path,
+    job_id: str,
+    attempt_name: str,
+    formats: list[str],
     writer: ProgressWriter,
 ) -> tuple[str, list[ArtifactRow]]:
     """Hash the engine's output (sha256 per file, computed here: S3 has no whole-object
@@ -609,7 +628,9 @@ def _run_attempt(attempt: Attempt) -> Path:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     if evaluate and cfg.eval_text_file is None:
         # Before the long part: say it now rather than after quantizing.
-        raise InvalidConfigError(f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}")
+        raise InvalidConfigError(
+            f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
+        )
     # Calibrated HIGGS: the uploaded text, tokenized with the model's tokenizer, before any
     # quantization (a text with too few tokens fails the job here, nothing written).
     calibration = load_job_calibration(sessions, job_cfg.calibration, source.path, cfg.db_retry_s)
@@ -622,8 +643,17 @@ def _run_attempt(attempt: Attempt) -> Path:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
         menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
-            sessions, source, requested, out, engine_cfg, dict(job_cfg.target), menu_p,
-            cfg.profiles, writer, device=cfg.device, calibration=calibration,
+            sessions,
+            source,
+            requested,
+            out,
+            engine_cfg,
+            dict(job_cfg.target),
+            menu_p,
+            cfg.profiles,
+            writer,
+            device=cfg.device,
+            calibration=calibration,
         )
     else:
         report = quantize_checkpoint(
@@ -663,7 +693,13 @@ def _run_attempt(attempt: Attempt) -> Path:
             try:
                 with sessions() as s:
                     state.succeed(
-                        s, job_id, report_dict, None, rows, worker_id=worker_id, model_revision=source.revision
+                        s,
+                        job_id,
+                        report_dict,
+                        None,
+                        rows,
+                        worker_id=worker_id,
+                        model_revision=source.revision,
                     )
             except state.IllegalTransitionError:
                 # A retry after a commit whose reply was lost finds the job already ours.
@@ -710,10 +746,14 @@ def load_job_calibration(
 
     found = retry_db(load, f"calibration {entry['id']}", budget_s)
     if found is None:
-        raise InvalidConfigError(f"options.calibration: the upload {entry['id']!r} no longer exists")
+        raise InvalidConfigError(
+            f"options.calibration: the upload {entry['id']!r} no longer exists"
+        )
     text, sha = found
     if sha != entry.get("sha256"):
-        raise InvalidConfigError(f"options.calibration: the upload {entry['id']!r} changed since submit")
+        raise InvalidConfigError(
+            f"options.calibration: the upload {entry['id']!r} changed since submit"
+        )
     try:
         return prepare_calibration(
             model_path, text, int(entry["tokens"]), label=f"upload:{entry['id']}"
@@ -722,7 +762,9 @@ def load_job_calibration(
         raise InvalidConfigError(f"options.calibration: {exc}") from exc
 
 
-def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str, budget_s: float = 300.0) -> Outcome:
+def _stop(
+    sessions: SessionFactory, job_id: str, worker_id: str, why: str, budget_s: float = 300.0
+) -> Outcome:
     """The engine stopped on request: cancelled if the user asked and we own the job; else lost."""
     job = _job_snapshot(sessions, job_id, budget_s)
     if job is None:
@@ -738,5 +780,7 @@ def _stop(sessions: SessionFactory, job_id: str, worker_id: str, why: str, budge
         retry_db(cancel, f"cancellation of job {job_id}", budget_s)
         log.info("job %s: cancelled (%s)", job_id, why)
         return Outcome("cancelled", why)
-    log.warning("job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status)
+    log.warning(
+        "job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status
+    )
     return Outcome("lost", why)

@@ -100,7 +100,10 @@ def sweep(
             log.warning(
                 "sweep: %d queued job(s) unclaimed for over %gs and the broker holds %s message(s) "
                 "for %d sent job(s): sending them again",
-                len(unclaimed), settings.queued_resend_s, "unknown" if have is None else have, expected,
+                len(unclaimed),
+                settings.queued_resend_s,
+                "unknown" if have is None else have,
+                expected,
             )
     out.resent = list(unclaimed)
     out.storage = _storage_ready(sessions, settings) + _store_ready(sessions, settings)
@@ -150,7 +153,11 @@ def _storage_ready(sessions: sessionmaker[Session], settings: Settings) -> list[
             ready.append(w.job_id)  # nothing to compare: try (the runner re-checks by writing)
     if ready:
         free_mib = "unknown" if space is None else f"{space[0] / 2**20:.1f} MiB"
-        log.info("sweep: storage has room again (%s free): sending %d waiting job(s)", free_mib, len(ready))
+        log.info(
+            "sweep: storage has room again (%s free): sending %d waiting job(s)",
+            free_mib,
+            len(ready),
+        )
     return ready
 
 

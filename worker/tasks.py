@@ -36,16 +36,24 @@ def _exception(exc_info: Any) -> BaseException | None:
 class JobRequest(Request):
     """The run_job request as the worker's main process sees it."""
 
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
         try:
             self._release_job(_exception(exc_info))
-        except Exception as e:  # never let bookkeeping break the consumer; the sweep is the backstop
+        except (
+            Exception
+        ) as e:  # never let bookkeeping break the consumer; the sweep is the backstop
             log.warning("could not release the job of lost task %s: %s", self.id, e)
-        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
 
     def _release_job(self, exc: BaseException | None) -> None:
         if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            if getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False):
+            if getattr(self, "_already_cancelled", False) or getattr(
+                self, "_already_revoked", False
+            ):
                 return
             lost = True  # celery treats this as a lost worker too
         else:
@@ -79,7 +87,13 @@ class JobRequest(Request):
 
         status = retry_db(release, f"release of lost job {job_id}", LOST_DB_RETRY_S)
         if status is not None:
-            log.warning("job %s: its pool process %s died (%s); job now %s", job_id, self.worker_pid, exc, status)
+            log.warning(
+                "job %s: its pool process %s died (%s); job now %s",
+                job_id,
+                self.worker_pid,
+                exc,
+                status,
+            )
 
 
 def run_job(job_id: str) -> str:
@@ -99,5 +113,9 @@ def sweep() -> dict[str, list[str]]:
     return sweep_once(app.conf.higgs_settings)
 
 
-run_job_task = app.task(name=TASK_NAME, acks_late=True, ignore_result=True, Request=JobRequest)(run_job)
-sweep_task = app.task(name=SWEEP_TASK, ignore_result=True, soft_time_limit=120, time_limit=180)(sweep)
+run_job_task = app.task(name=TASK_NAME, acks_late=True, ignore_result=True, Request=JobRequest)(
+    run_job
+)
+sweep_task = app.task(name=SWEEP_TASK, ignore_result=True, soft_time_limit=120, time_limit=180)(
+    sweep
+)

@@ -124,7 +124,9 @@ def download_file(
             chunks = store.open_range(art.uri, row.path, start, end)
     except StoreObjectMissingError as exc:
         raise service.missing(art, row.path) from exc
-    return ChunksResponse(chunks, end - start, status_code=status, headers=headers, media_type=media)
+    return ChunksResponse(
+        chunks, end - start, status_code=status, headers=headers, media_type=media
+    )
 
 
 class LinkOut(BaseModel):
@@ -217,7 +219,9 @@ def download_archive(
                 if not is_head(request.scope):
                     store.stat(art.uri, row.path)
                 members.append(
-                    TarMember(name=name, path=None, size=row.bytes, read=_reader(store, art.uri, row))
+                    TarMember(
+                        name=name, path=None, size=row.bytes, read=_reader(store, art.uri, row)
+                    )
                 )
         except StoreObjectMissingError as exc:
             raise service.missing(art, row.path) from exc

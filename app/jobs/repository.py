@@ -124,9 +124,7 @@ def compare_and_set(
 
 
 def cancel_requested(session: Session, job_id: str) -> bool:
-    return bool(
-        session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one()
-    )
+    return bool(session.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar_one())
 
 
 def replace_rows(

@@ -24,9 +24,7 @@ from higgs_engine.planning.config import HiggsConfig
 class PlanOptions(Strict):
     """The parts of a job's options that change sizes (and so the plan)."""
 
-    p: GridDim | None = Field(
-        default=None, description="restrict the menu to grids of this p"
-    )
+    p: GridDim | None = Field(default=None, description="restrict the menu to grids of this p")
     group_size: GroupSize = Field(
         default=256, description="weights per scale: a power of two in 2..4096"
     )

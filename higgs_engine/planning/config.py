@@ -29,7 +29,9 @@ def code_bits(p: int, n: int) -> float:
 
 def check_grid(p: int, n: int) -> None:
     if p not in SUPPORTED_GRIDS:
-        raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p")
+        raise InvalidConfigError(
+            f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p"
+        )
     if n not in SUPPORTED_GRIDS[p]:
         raise InvalidConfigError(
             f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}",
@@ -86,28 +88,41 @@ class HiggsConfig:
                 field="group_size",
             )
         if not is_power_of_two(self.group_size):
-            raise InvalidConfigError(f"group_size={self.group_size} must be a power of two", field="group_size")
+            raise InvalidConfigError(
+                f"group_size={self.group_size} must be a power of two", field="group_size"
+            )
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
-            raise InvalidConfigError(f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}", field="formats")
+            raise InvalidConfigError(
+                f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}",
+                field="formats",
+            )
         if self.scale_rule not in SCALE_RULES:
             raise InvalidConfigError(
                 f"scale_rule={self.scale_rule!r} must be one of {list(SCALE_RULES)}",
                 field="scale_rule",
             )
         if self.sign_seed is not None and not 0 <= self.sign_seed < 2**63:
-            raise InvalidConfigError(f"sign_seed={self.sign_seed} must be in 0..2^63-1 or None", field="sign_seed")
+            raise InvalidConfigError(
+                f"sign_seed={self.sign_seed} must be in 0..2^63-1 or None", field="sign_seed"
+            )
         if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise InvalidConfigError(f"dtype={self.dtype!r} must be float16, bfloat16 or float32", field="dtype")
+            raise InvalidConfigError(
+                f"dtype={self.dtype!r} must be float16, bfloat16 or float32", field="dtype"
+            )
         if self.version != CONFIG_VERSION:
-            raise InvalidConfigError(f"config version {self.version} is not {CONFIG_VERSION}", field="version")
+            raise InvalidConfigError(
+                f"config version {self.version} is not {CONFIG_VERSION}", field="version"
+            )
 
     @property
     def code_bits(self) -> float:
         return code_bits(self.p, self.n)
 
     @classmethod
-    def from_bits(cls, bits: float, p: int | None = None, n: int | None = None, **kw: Any) -> HiggsConfig:
+    def from_bits(
+        cls, bits: float, p: int | None = None, n: int | None = None, **kw: Any
+    ) -> HiggsConfig:
         """The config for "b-bit HIGGS": the grid with the most code bits not above `bits`.
 
         p=2 is preferred at equal code bits (lower MSE); `p` or `n` fix that choice.
@@ -115,14 +130,22 @@ class HiggsConfig:
         if p is not None and n is not None:
             cfg = cls(p=p, n=n, **kw)
             if cfg.code_bits > bits + 1e-9:
-                raise InvalidConfigError(f"p={p}, n={n} has {cfg.code_bits:g} code bits, above bits={bits:g}", field="p")
+                raise InvalidConfigError(
+                    f"p={p}, n={n} has {cfg.code_bits:g} code bits, above bits={bits:g}", field="p"
+                )
             return cfg
         if not math.isfinite(bits) or bits <= 0:
             raise InvalidConfigError(f"bits={bits} must be a positive number", field="bits")
         if p is not None and p not in SUPPORTED_GRIDS:
-            raise InvalidConfigError(f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p")
-        if n is not None and not any(n in ns for pp, ns in SUPPORTED_GRIDS.items() if p in (None, pp)):
-            raise InvalidConfigError(f"n={n} is not a supported grid size" + (f" for p={p}" if p else ""), field="n")
+            raise InvalidConfigError(
+                f"p={p} is not supported; choose one of {sorted(SUPPORTED_GRIDS)}", field="p"
+            )
+        if n is not None and not any(
+            n in ns for pp, ns in SUPPORTED_GRIDS.items() if p in (None, pp)
+        ):
+            raise InvalidConfigError(
+                f"n={n} is not a supported grid size" + (f" for p={p}" if p else ""), field="n"
+            )
         cands = []
         for pp, ns in SUPPORTED_GRIDS.items():
             if p is not None and pp != p:
@@ -134,7 +157,9 @@ class HiggsConfig:
                 if cb <= bits + 1e-9:
                     cands.append((cb, pp == 2, pp, nn))
         if not cands:
-            lo = min(code_bits(pp, min(ns)) for pp, ns in SUPPORTED_GRIDS.items() if p is None or pp == p)
+            lo = min(
+                code_bits(pp, min(ns)) for pp, ns in SUPPORTED_GRIDS.items() if p is None or pp == p
+            )
             raise InvalidConfigError(
                 f"bits={bits:g} is below the smallest supported grid ({lo:g} code bits"
                 + (f" with p={p}" if p is not None else "")

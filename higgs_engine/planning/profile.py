@@ -165,7 +165,7 @@ def profile_key(model: str, revision: str | None, calibration: str, config: Prof
 
 
 def calibration_id(text: str | None, seed: int, data_free: str = "random") -> str:
-    """"text:<sha256>", or the data-free source: "random:<seed>", or "self:t1:p0.95:<seed>"
+    """ "text:<sha256>", or the data-free source: "random:<seed>", or "self:t1:p0.95:<seed>"
     (text sampled from the model at temperature 1, top-p 0.95: higgs_engine.selfgen's defaults)."""
     if text is not None:
         return "text:" + hashlib.sha256(text.encode("utf-8")).hexdigest()

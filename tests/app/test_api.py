@@ -162,7 +162,9 @@ def test_dynamic_targets_switched_off_are_a_clear_422(
 ) -> None:
     off = settings.model_copy(update={"dynamic_targets": False})
     with TestClient(create_app(off)) as c:
-        r = c.post("/v1/jobs", json={"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}}, headers=auth)
+        r = c.post(
+            "/v1/jobs", json={"model": {"id": "tiny"}, "target": {"avg_bits": 3.5}}, headers=auth
+        )
         body = assert_problem(r, 422, "target.avg_bits")
         assert "not supported" in body["detail"] and body["code"] == "not_supported"
 

@@ -286,7 +286,9 @@ def test_range_unit_is_case_insensitive(
     assert r.content == files["model.safetensors"][10:20]
 
 
-def test_head_on_every_get_endpoint(client: TestClient, auth: dict[str, str], done_job: Any) -> None:
+def test_head_on_every_get_endpoint(
+    client: TestClient, auth: dict[str, str], done_job: Any
+) -> None:
     jid, files, _ = done_job
     for path in (
         url(jid, "/archive"),

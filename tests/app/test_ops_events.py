@@ -123,7 +123,9 @@ def test_metrics_need_their_own_key_and_keep_labels_bounded(
         for line in text.splitlines()
         if line.startswith("higgs_http_request_duration_seconds_count")
     ]
-    assert not any("MADEUP" in line or "no-such-job" in line or "/random" in line for line in series)
+    assert not any(
+        "MADEUP" in line or "no-such-job" in line or "/random" in line for line in series
+    )
     assert any('method="other"' in line for line in series), series
     assert any('route="/v1/jobs/{job_id}",status="404"' in line for line in series), series
     assert len(series) < 10, series

@@ -73,7 +73,10 @@ def test_redis_enqueue_readyz_and_depth(
             message = json.loads(raw)
             assert message["headers"]["task"] == TASK_NAME
             assert task_args(message) == [jid]
-            assert f'higgs_queue_depth{{queue="{queue}"}} 1.0' in c.get("/metrics", headers=METRICS_AUTH).text
+            assert (
+                f'higgs_queue_depth{{queue="{queue}"}} 1.0'
+                in c.get("/metrics", headers=METRICS_AUTH).text
+            )
     finally:
         client.delete(queue)
         client.close()
@@ -90,4 +93,6 @@ def test_readyz_503_when_redis_is_down(settings: Settings) -> None:
         # Which dependency failed, never the exception text (that goes to the log).
         assert body["checks"] == {"database": "ok", "broker": "unavailable", "store": "ok"}
         assert "127.0.0.1" not in ready.text and "refused" not in ready.text.lower()
-        assert 'higgs_queue_depth{queue="higgs"} -1.0' in c.get("/metrics", headers=METRICS_AUTH).text
+        assert (
+            'higgs_queue_depth{queue="higgs"} -1.0' in c.get("/metrics", headers=METRICS_AUTH).text
+        )

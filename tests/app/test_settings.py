@@ -50,7 +50,9 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings()
 
 
-def test_worker_device_and_evaluation_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_device_and_evaluation_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = tmp_path / "eval.txt"
     monkeypatch.setenv("HIGGS_EVAL_TEXT_FILE", str(text))
     monkeypatch.setenv("HIGGS_EVAL_WINDOWS", "3")

@@ -136,9 +136,7 @@ def test_clear_job_keeps_one_attempt_and_aborts_open_uploads(
 
 
 def test_unreachable_and_misconfigured_stores_are_unavailable(s3_server: Any) -> None:
-    dead = S3Store(
-        "higgs", "p", endpoint_url=f"http://127.0.0.1:{free_port()}", timeout_s=1
-    )
+    dead = S3Store("higgs", "p", endpoint_url=f"http://127.0.0.1:{free_port()}", timeout_s=1)
     with pytest.raises(StoreUnavailableError) as e:
         dead.check()
     assert e.value.status == 503 and e.value.code == "storage_unavailable"

@@ -11,7 +11,11 @@ from devtools.stack import HIGGS, REPO, free_port
 
 def higgs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*HIGGS, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+        [*HIGGS, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", **(env or {})},
     )
 
@@ -19,7 +23,11 @@ def higgs(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
-        (["submit", "tiny", "--bits", "4", "--avg-bits", "3", "--key", "k"], 2, "exactly one target"),
+        (
+            ["submit", "tiny", "--bits", "4", "--avg-bits", "3", "--key", "k"],
+            2,
+            "exactly one target",
+        ),
         (["submit", "tiny", "--key", "k"], 2, "exactly one target"),
         (["submit", "tiny", "--bits", "-1", "--key", "k"], 2, "must be positive"),
         (["status", "abc"], 1, "no API key"),
@@ -40,7 +48,9 @@ def test_unreachable_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     out = higgs("status", "abc", "--url", url, env={"HIGGS_API_KEY": "k"})
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [f"higgs: error: cannot reach the service at {url}: [Errno 111] Connection refused"]
+    assert out.stderr.strip().splitlines() == [
+        f"higgs: error: cannot reach the service at {url}: [Errno 111] Connection refused"
+    ]
 
 
 def test_env_variables_are_used() -> None:
@@ -49,13 +59,14 @@ def test_env_variables_are_used() -> None:
     assert out.returncode == 1 and url in out.stderr
 
 
-
 def test_submit_webhook_url_goes_into_the_request() -> None:
     from higgs_cli.client_cmds import build_request
     from higgs_cli.main import build_parser
 
     parser = build_parser("submit")
-    args = parser.parse_args(["submit", "tiny", "--bits", "4", "--webhook-url", "https://h.example/x"])
+    args = parser.parse_args(
+        ["submit", "tiny", "--bits", "4", "--webhook-url", "https://h.example/x"]
+    )
     assert build_request(args) == {
         "model": {"id": "tiny"},
         "target": {"bits": 4.0},

@@ -67,7 +67,9 @@ def stack_factory(
         if kind == "redis-postgres":
             redis_url, pg_url = os.environ.get(REDIS_ENV), os.environ.get(POSTGRES_ENV)
             if not redis_url or not pg_url:
-                pytest.skip(f"{REDIS_ENV} and {POSTGRES_ENV} must both be set for the Redis + PostgreSQL e2e tests")
+                pytest.skip(
+                    f"{REDIS_ENV} and {POSTGRES_ENV} must both be set for the Redis + PostgreSQL e2e tests"
+                )
             db_url, drop = scratch_postgres(pg_url, "higgs_e2e")
             cleanups.append(drop)
             env["HIGGS_DATABASE_URL"] = db_url

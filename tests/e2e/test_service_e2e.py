@@ -26,7 +26,13 @@ JOB_TIMEOUT_S = 120
 SLOW_WORKER = {"HIGGS_DEBUG_LAYER_DELAY_S": "0.6"}  # test-only: ~8 s for the tiny model's 14 layers
 
 
-def poll(c: httpx.Client, job_id: str, until: Any, timeout: float = JOB_TIMEOUT_S, stack: Stack | None = None) -> dict[str, Any]:
+def poll(
+    c: httpx.Client,
+    job_id: str,
+    until: Any,
+    timeout: float = JOB_TIMEOUT_S,
+    stack: Stack | None = None,
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -62,7 +68,9 @@ def start_separate(stack: Stack, worker_env: dict[str, str] | None = None) -> No
     stack.procs.append(worker)  # procs[-1] stays "the worker" for the tests
 
 
-def check_download_and_load(stack: Stack, c: httpx.Client, key: str, job_id: str, dest: Path) -> None:
+def check_download_and_load(
+    stack: Stack, c: httpx.Client, key: str, job_id: str, dest: Path
+) -> None:
     """List the native artifact, download a file whole and by Range (sha256 checked), download
     the whole artifact with `higgs download`, load it with the engine and run a forward pass."""
     listing = c.get(f"/v1/jobs/{job_id}/artifacts/native")
@@ -88,7 +96,9 @@ def check_download_and_load(stack: Stack, c: httpx.Client, key: str, job_id: str
     out.mkdir(parents=True)
     (out / (big["path"] + ".part")).write_bytes(whole.content[: big["bytes"] // 2])
     env_args = ["--url", stack.url, "--key", key]
-    res = stack.run([*HIGGS, "download", job_id, "--format", "native", "--out", str(out), "-q", *env_args])
+    res = stack.run(
+        [*HIGGS, "download", job_id, "--format", "native", "--out", str(out), "-q", *env_args]
+    )
     assert re.search(rf"^resumed\s+{re.escape(big['path'])}$", res.stdout, re.M), res.stdout
     for f in files:
         assert hashlib.sha256((out / f["path"]).read_bytes()).hexdigest() == f["sha256"]
@@ -150,12 +160,29 @@ def test_flow_on_the_embedded_default(stack_factory: Any, tmp_path: Path) -> Non
     )
     stack.wait_ready(serve, timeout=90)
     assert (data / "higgs.db").is_file() and (data / "broker").is_dir()
-    key = stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)]).stdout.strip().splitlines()[-1]
+    key = (
+        stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)])
+        .stdout.strip()
+        .splitlines()[-1]
+    )
 
     # The client verb with --wait: live progress, then the download.
     out = tmp_path / "submitted"
     res = stack.run(
-        [*HIGGS, "submit", MODEL, "--bits", "4", "--wait", "--out", str(out), "--url", stack.url, "--key", key],
+        [
+            *HIGGS,
+            "submit",
+            MODEL,
+            "--bits",
+            "4",
+            "--wait",
+            "--out",
+            str(out),
+            "--url",
+            stack.url,
+            "--key",
+            key,
+        ],
         timeout=JOB_TIMEOUT_S,
     )
     job_id = res.stdout.strip().splitlines()[-1]
@@ -170,7 +197,12 @@ def test_flow_on_the_embedded_default(stack_factory: Any, tmp_path: Path) -> Non
         exactly_one_artifact_set(stack, job)
         check_download_and_load(stack, c, key, job_id, tmp_path / "dl")
 
-    pids = [int(x) for x in re.findall(r"=(\d+)", next(ln for ln in serve.tail(400).splitlines() if "pids" in ln))]
+    pids = [
+        int(x)
+        for x in re.findall(
+            r"=(\d+)", next(ln for ln in serve.tail(400).splitlines() if "pids" in ln)
+        )
+    ]
     assert len(pids) == 2
     serve.popen.send_signal(signal.SIGTERM)
     assert serve.popen.wait(40) == 0, serve.tail()
@@ -190,7 +222,12 @@ def test_job_survives_a_worker_killed_mid_job(stack_factory: Any, kind: str) -> 
     key = stack.create_key()
     with stack.client(key) as c:
         job_id = submit(c)
-        poll(c, job_id, lambda j: j["stage"] == "quantizing" and j["progress"]["done"] >= 2, stack=stack)
+        poll(
+            c,
+            job_id,
+            lambda j: j["stage"] == "quantizing" and j["progress"]["done"] >= 2,
+            stack=stack,
+        )
         first.kill(signal.SIGKILL)  # the whole worker: main process and pool child
         first.popen.wait(10)
         assert c.get(f"/v1/jobs/{job_id}").json()["status"] == "running"
@@ -201,7 +238,9 @@ def test_job_survives_a_worker_killed_mid_job(stack_factory: Any, kind: str) -> 
         exactly_one_artifact_set(stack, job)
         listing = c.get(f"/v1/jobs/{job_id}/artifacts/native").json()
         root = stack.artifacts_dir / job_id
-        assert sum(1 for _ in files_under(root) if _.parent.name == "native") == len(listing["files"])
+        assert sum(1 for _ in files_under(root) if _.parent.name == "native") == len(
+            listing["files"]
+        )
 
 
 # ---------------------------------------------------------------- 4: cancel
@@ -213,14 +252,21 @@ def test_cancelled_running_job_leaves_nothing_downloadable(stack_factory: Any) -
     key = stack.create_key()
     with stack.client(key) as c:
         job_id = submit(c)
-        poll(c, job_id, lambda j: j["stage"] == "quantizing" and j["progress"]["done"] >= 1, stack=stack)
+        poll(
+            c,
+            job_id,
+            lambda j: j["stage"] == "quantizing" and j["progress"]["done"] >= 1,
+            stack=stack,
+        )
         r = c.post(f"/v1/jobs/{job_id}/cancel")
         assert r.status_code in (200, 202), r.text
         job = poll(c, job_id, terminal, stack=stack)
         assert job["status"] == "cancelled" and job["artifacts"] == []
         for fmt in ("native", "dequantized"):
             r = c.get(f"/v1/jobs/{job_id}/artifacts/{fmt}")
-            assert r.status_code == 404 and r.headers["content-type"].startswith("application/problem+json")
+            assert r.status_code == 404 and r.headers["content-type"].startswith(
+                "application/problem+json"
+            )
         assert c.get(f"/v1/jobs/{job_id}/artifacts/native/files/config.json").status_code == 404
         assert c.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
     # Give the worker a moment to finish its cleanup, then: not a single file for this job.
@@ -233,10 +279,14 @@ def test_cancelled_running_job_leaves_nothing_downloadable(stack_factory: Any) -
 # ---------------------------------------------------------------- 5: Hub model, offline
 
 
-def test_hub_model_from_the_cache_offline_records_the_sha(stack_factory: Any, e2e_models_dir: Path) -> None:
+def test_hub_model_from_the_cache_offline_records_the_sha(
+    stack_factory: Any, e2e_models_dir: Path
+) -> None:
     stack = stack_factory("local")
     assert stack.env["HF_HUB_OFFLINE"] == "1"
-    sha = make_hub_cache(Path(stack.env["HF_HOME"]) / "hub", "acme/tiny-llama", e2e_models_dir / MODEL)
+    sha = make_hub_cache(
+        Path(stack.env["HF_HOME"]) / "hub", "acme/tiny-llama", e2e_models_dir / MODEL
+    )
     start_separate(stack)
     key = stack.create_key()
     with stack.client(key) as c:

@@ -28,7 +28,9 @@ from higgs_engine.quantize import dequantize_matrix, quantize_matrix, quantize_m
 
 def cuda(test: Any) -> Any:
     """Marked `gpu` (scripts/gpu_check selects these) and skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test)
+    )
 
 
 def _codes(q) -> torch.Tensor:
@@ -93,7 +95,9 @@ def test_quantize_full_dequantized_equals_dequantize_matrix() -> None:
     q, w_hat = quantize_matrix_full(W, 2, 256, group_size=128, rotation_block=512, sign_seed=7)
     assert w_hat is not None
     assert torch.equal(w_hat, dequantize_matrix(q))
-    q2, none = quantize_matrix_full(W, 2, 256, group_size=128, rotation_block=512, sign_seed=7, dequantized=False)
+    q2, none = quantize_matrix_full(
+        W, 2, 256, group_size=128, rotation_block=512, sign_seed=7, dequantized=False
+    )
     assert none is None and torch.equal(q2.codes, q.codes)
 
 
@@ -111,7 +115,9 @@ def test_resolve_device() -> None:
         resolve_device("cuda:99")
 
 
-def test_pipeline_refuses_unusable_device_and_leaves_nothing(tmp_path: Path, llama_ckpt: Path) -> None:
+def test_pipeline_refuses_unusable_device_and_leaves_nothing(
+    tmp_path: Path, llama_ckpt: Path
+) -> None:
     from higgs_engine.pipeline import quantize_checkpoint
 
     out = tmp_path / "out" / "q"

@@ -200,7 +200,9 @@ def test_self_generated_profile_is_cached_with_its_text(ckpt: Path, tmp_path: Pa
     gen = list(tmp_path.glob("selfgen-*.safetensors"))
     assert len(gen) == 1 and len(list(tmp_path.glob("profile-*.json"))) == 1
     # random tokens are another calibration, with another key
-    rnd = ProfileConfig(method="fisher", context=16, windows=2, fisher_samples=1, data_free="random")
+    rnd = ProfileConfig(
+        method="fisher", context=16, windows=2, fisher_samples=1, data_free="random"
+    )
     assert get_profile(ckpt, rnd, cache_dir=tmp_path).calibration == "random:0"
     assert len(list(tmp_path.glob("profile-*.json"))) == 2
     # second call: served from the cache, nothing measured

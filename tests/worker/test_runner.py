@@ -78,7 +78,9 @@ def test_duplicate_delivery_is_a_no_op(
     assert _job(sessions, job_id).attempts == 1
 
 
-def test_unknown_job_id_is_skipped(sessions: sessionmaker[Session], runner_cfg: RunnerConfig) -> None:
+def test_unknown_job_id_is_skipped(
+    sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
     assert run_job(sessions, "no-such-job", runner_cfg).status == "skipped"
 
 
@@ -161,15 +163,24 @@ def test_hub_model_offline_records_the_commit_sha(
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     cfg = dataclasses.replace(runner_cfg, hf_offline=True)
 
-    job_id = create_job(sessions, settings, {"model": {"id": "acme/tiny-llama"}, "target": {"bits": 3}})
+    job_id = create_job(
+        sessions, settings, {"model": {"id": "acme/tiny-llama"}, "target": {"bits": 3}}
+    )
     out = run_job(sessions, job_id, cfg)
     assert out.status == "succeeded", out.detail
     job = _job(sessions, job_id)
     assert job.model_revision == sha
     assert job.report is not None
-    assert job.report["source"] == {**job.report["source"], "id": "acme/tiny-llama", "revision": sha, "kind": "hub"}
+    assert job.report["source"] == {
+        **job.report["source"],
+        "id": "acme/tiny-llama",
+        "revision": sha,
+        "kind": "hub",
+    }
 
-    missing = create_job(sessions, settings, {"model": {"id": "acme/absent"}, "target": {"bits": 4}})
+    missing = create_job(
+        sessions, settings, {"model": {"id": "acme/absent"}, "target": {"bits": 4}}
+    )
     assert run_job(sessions, missing, cfg).status == "failed"
     job = _job(sessions, missing)
     assert job.error_code == "model_not_found" and "offline" in (job.error_message or "")
@@ -225,12 +236,16 @@ def test_evaluate_records_perplexity_and_kl(
     text = tmp_path / "eval.txt"
     text.write_text(TINY_TEXT * 12)
     cfg = dataclasses.replace(runner_cfg, eval_text_file=text, eval_context=64, eval_windows=4)
-    job_id = create_job(sessions, settings, {**BODY, "options": {"evaluate": True, "formats": ["native"]}})
+    job_id = create_job(
+        sessions, settings, {**BODY, "options": {"evaluate": True, "formats": ["native"]}}
+    )
     out = run_job(sessions, job_id, cfg)
     assert out.status == "succeeded", out.detail
     job = _job(sessions, job_id)
     assert job.summary is not None and job.report is not None
-    assert job.summary["ppl_base"] > 1 and job.summary["ppl_quantized"] > 1 and job.summary["kl"] > 0
+    assert (
+        job.summary["ppl_base"] > 1 and job.summary["ppl_quantized"] > 1 and job.summary["kl"] > 0
+    )
     assert job.report["metrics"]["eval_windows"] == 4 and "evaluating" in job.report["timings"]
     assert [a.format for a in job.artifacts] == ["native"]
 
@@ -239,9 +254,14 @@ def test_evaluate_without_a_text_fails_before_quantizing(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
 ) -> None:
     job_id = create_job(sessions, settings, {**BODY, "options": {"evaluate": True}})
-    assert run_job(sessions, job_id, dataclasses.replace(runner_cfg, eval_text_file=None)).status == "failed"
+    assert (
+        run_job(sessions, job_id, dataclasses.replace(runner_cfg, eval_text_file=None)).status
+        == "failed"
+    )
     job = _job(sessions, job_id)
-    assert job.error_code == "invalid_config" and "HIGGS_EVAL_TEXT_FILE" in (job.error_message or "")
+    assert job.error_code == "invalid_config" and "HIGGS_EVAL_TEXT_FILE" in (
+        job.error_message or ""
+    )
     assert "quantizing" not in (job.stage_durations or {})
 
 

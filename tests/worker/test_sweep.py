@@ -37,12 +37,20 @@ def _body(msg: dict) -> str:
     import base64
 
     raw = msg["body"]
-    return base64.b64decode(raw).decode() if msg["properties"].get("body_encoding") == "base64" else raw
+    return (
+        base64.b64decode(raw).decode()
+        if msg["properties"].get("body_encoding") == "base64"
+        else raw
+    )
 
 
 def _age_heartbeat(sessions: sessionmaker[Session], job_id: str, seconds: float) -> None:
     with sessions() as s:
-        s.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=utcnow() - timedelta(seconds=seconds)))
+        s.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=seconds))
+        )
         s.commit()
 
 
