@@ -82,11 +82,11 @@ def test_alembic_command_line_reads_settings(tmp_path: Path) -> None:
 
 
 def test_artifact_paths_become_store_uris_and_back(db_url: str, tmp_path: Path) -> None:
-    """0007_artifact_store: a row written with an absolute path (before) reads as a file://
+    """0004_artifact_store: a row written with an absolute path (before) reads as a file://
     URI (after), which the local store serves; downgrading gives the path back."""
     from sqlalchemy import text
 
-    downgrade_database(db_url, "0002_webhooks")
+    downgrade_database(db_url, "0003_webhooks")
     root = tmp_path / "art dir" / "job1" / "1.ab" / "native"
     engine = create_db_engine(db_url)
     try:
@@ -121,7 +121,7 @@ def test_artifact_paths_become_store_uris_and_back(db_url: str, tmp_path: Path) 
         from app.artifacts.store import uri_path
 
         assert uri_path(uri) == root
-        downgrade_database(db_url, "0002_webhooks")
+        downgrade_database(db_url, "0003_webhooks")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT root FROM artifacts")).scalar_one() == str(root)
         upgrade_database(db_url)

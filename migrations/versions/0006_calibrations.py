@@ -1,7 +1,7 @@
 """calibrations: calibration text uploaded per API key for calibrated HIGGS jobs
 
-Revision ID: 0003_calibrations
-Revises: 0007_local_models
+Revision ID: 0006_calibrations
+Revises: 0005_local_models
 Create Date: 2026-11-30
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003_calibrations"
-down_revision: str | None = "0007_local_models"
+revision: str = "0006_calibrations"
+down_revision: str | None = "0005_local_models"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

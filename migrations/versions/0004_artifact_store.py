@@ -1,7 +1,7 @@
 """artifacts.root (an absolute path) becomes artifacts.uri (a store URI: file:// or s3://)
 
-Revision ID: 0007_artifact_store
-Revises: 0002_webhooks
+Revision ID: 0004_artifact_store
+Revises: 0003_webhooks
 Create Date: 2026-11-30
 """
 
@@ -14,8 +14,8 @@ from urllib.parse import quote, unquote, urlparse
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007_artifact_store"
-down_revision: str | None = "0002_webhooks"
+revision: str = "0004_artifact_store"
+down_revision: str | None = "0003_webhooks"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

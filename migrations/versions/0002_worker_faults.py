@@ -1,6 +1,6 @@
 """jobs.wait_free_bytes: a job waiting for storage records the free space it saw
 
-Revision ID: 0006_worker_faults
+Revision ID: 0002_worker_faults
 Revises: 0001
 Create Date: 2026-11-30
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006_worker_faults"
+revision: str = "0002_worker_faults"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

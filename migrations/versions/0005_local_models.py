@@ -1,7 +1,7 @@
 """local_models: model names the workers (or an operator) registered for the API to accept
 
-Revision ID: 0007_local_models
-Revises: 0007_artifact_store
+Revision ID: 0005_local_models
+Revises: 0004_artifact_store
 Create Date: 2026-11-30
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007_local_models"
-down_revision: str | None = "0007_artifact_store"
+revision: str = "0005_local_models"
+down_revision: str | None = "0004_artifact_store"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

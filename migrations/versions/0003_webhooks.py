@@ -1,7 +1,7 @@
 """webhooks: jobs.webhook_url, api_keys.webhook_secret, webhook_deliveries
 
-Revision ID: 0002_webhooks
-Revises: 0006_worker_faults
+Revision ID: 0003_webhooks
+Revises: 0002_worker_faults
 Create Date: 2026-11-30
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002_webhooks"
-down_revision: str | None = "0006_worker_faults"
+revision: str = "0003_webhooks"
+down_revision: str | None = "0002_worker_faults"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
