@@ -13,6 +13,20 @@ from app.errors import PROBLEM_JSON
 router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"])
 
 PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457)"}
+# The body is read raw (request.body()), so FastAPI does not document it: say what check_text
+# accepts. No NUL byte, and at least one letter or digit (an all-whitespace text is empty).
+UPLOAD_BODY = {
+    "required": True,
+    "content": {
+        "text/plain": {
+            "schema": {
+                "type": "string",
+                "minLength": 1,
+                "pattern": "^[^\\u0000]*[A-Za-z0-9][^\\u0000]*$",
+            }
+        }
+    },
+}
 
 
 @router.post(
@@ -20,6 +34,7 @@ PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457
     status_code=201,
     responses={401: PROBLEM, 413: PROBLEM, 422: PROBLEM},
     summary="Upload calibration text (the body, UTF-8) for calibrated HIGGS jobs",
+    openapi_extra={"requestBody": UPLOAD_BODY},
 )
 async def upload(
     request: Request,
