@@ -6,12 +6,18 @@
   weights); TINY_MODEL is the name the worker and end-to-end tests give such a model;
 - `make_hub_cache`: a checkpoint laid out as huggingface_hub stores a download;
 - `files_under`: every file below a folder, sorted;
-- `assert_problem`: an RFC 9457 problem+json response with a given status (and field).
+- `assert_problem`: an RFC 9457 problem+json response with a given status (and field);
+- `measure_tiny_profile`: a cheap data-free profile of a tiny checkpoint;
+- `serve_app`: the API app served by a real uvicorn server in a thread.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +152,33 @@ def measure_tiny_profile(checkpoint: Path, out: Path) -> Path:
     if rc != 0:
         raise RuntimeError(f"higgs profile {checkpoint} exited with {rc}")
     return out
+
+
+@contextmanager
+def serve_app(settings: Any) -> Iterator[str]:
+    """The API app for `settings` served by a real uvicorn server in a background thread;
+    yields its base URL and stops the server on exit."""
+    import uvicorn
+
+    from app.main import create_app
+    from devtools.stack import free_port
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def make_hub_cache(hub_cache: Path, repo_id: str, checkpoint: Path, branch: str = "main") -> str:

@@ -14,25 +14,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.manifest import artifact_row
 from app.db.session import create_db_engine, session_factory
 from app.jobs import state
 from app.keys.service import create_key, revoke_key
-from app.main import create_app
 from app.settings import Settings
 from tests.app.dbutil import empty_postgres
 from tests.app.factories import make_job
+from tests.fixtures import serve_app
 
 FILE_BYTES = 8 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -51,22 +44,8 @@ def pg_sessions(pg_url: str) -> Iterator[sessionmaker[Session]]:
 
 
 def serve(settings: Settings) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_app(settings) as url:
+        yield url
 
 
 @pytest.fixture

@@ -5,25 +5,21 @@ succeeded job whose artifact files the download operations are pointed at. Zero 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.manifest import artifact_row
 from app.jobs import state
 from app.keys.service import create_key
-from app.main import create_app
 from app.settings import Settings
 from tests.app.factories import make_job
+from tests.fixtures import serve_app
 
 SEED = 20261130
 MAX_EXAMPLES = 12
@@ -43,12 +39,6 @@ parameters = {{ "path.job_id" = "{job}", "path.format" = "native", "path.path" =
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def contract_server(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[str, Settings]]:
     models = tmp_path / "models"
@@ -62,20 +52,8 @@ def contract_server(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[str, Sett
         rate_limit_per_s=0,
         max_active_jobs_per_key=0,
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", settings
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(settings) as url:
+        yield url, settings
 
 
 def succeeded_job(sessions: sessionmaker[Session], key_id: str, root: Path) -> str:

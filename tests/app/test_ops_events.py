@@ -4,7 +4,6 @@ against a real uvicorn server."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,35 +21,17 @@ from app.jobs import state
 from app.main import create_app
 from app.queue import queue_depth
 from app.settings import Settings
-from tests.fixtures import METRICS_AUTH, assert_problem
+from tests.fixtures import METRICS_AUTH, assert_problem, serve_app
 
 BODY = {"model": {"id": "tiny"}, "target": {"bits": 4}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def live_url(settings: Settings) -> Iterator[str]:
     """The app served by a real uvicorn server in a background thread."""
     fast = settings.model_copy(update={"events_poll_interval_s": 0.05})
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(fast), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(fast) as url:
+        yield url
 
 
 def test_healthz_readyz_openapi_docs_need_no_key(client: TestClient) -> None:
