@@ -365,6 +365,22 @@ def fail(
     return _get(session, job_id)
 
 
+def _back_to_queue(now: datetime, enqueued_at: datetime | None) -> dict[str, Any]:
+    """The column values of a job put back to queued: no worker, no stage, no progress, no
+    heartbeat; enqueued_at None lets the sweep send it again."""
+    return {
+        "status": QUEUED,
+        "worker_id": None,
+        "stage": None,
+        "stage_started_at": None,
+        "progress_done": 0,
+        "progress_total": 0,
+        "heartbeat_at": None,
+        "enqueued_at": enqueued_at,
+        "updated_at": now,
+    }
+
+
 def wait_for_storage(
     session: Session,
     job_id: str,
@@ -388,15 +404,8 @@ def wait_for_storage(
         job_id,
         [Job.status == RUNNING, Job.cancel_requested.is_(False), *_owned(worker_id)],
         {
-            "status": QUEUED,
+            **_back_to_queue(now, enqueued_at=None),
             "attempts": Job.attempts - 1,
-            "worker_id": None,
-            "stage": None,
-            "stage_started_at": None,
-            "progress_done": 0,
-            "progress_total": 0,
-            "heartbeat_at": None,
-            "enqueued_at": None,
             "error_code": code,
             "error_message": message[:MAX_MESSAGE_CHARS],
             "wait_free_bytes": free_bytes,
@@ -437,18 +446,8 @@ def release_lost(
             "updated_at": now,
         }
     else:
-        values = {
-            "status": QUEUED,
-            "worker_id": None,
-            "stage": None,
-            "stage_started_at": None,
-            "progress_done": 0,
-            "progress_total": 0,
-            "heartbeat_at": None,
-            # The broker gets the message back (the worker rejects it with requeue).
-            "enqueued_at": now,
-            "updated_at": now,
-        }
+        # The broker gets the message back (the worker rejects it with requeue).
+        values = _back_to_queue(now, enqueued_at=now)
     if not _cas(session, job_id, [Job.status == RUNNING, Job.worker_id == worker_id], values):
         session.rollback()
         return None
@@ -585,17 +584,7 @@ def requeue_stale(
             }
             bucket = out.failed
         else:
-            values = {
-                "status": QUEUED,
-                "worker_id": None,
-                "stage": None,
-                "stage_started_at": None,
-                "progress_done": 0,
-                "progress_total": 0,
-                "heartbeat_at": None,
-                "enqueued_at": None,
-                "updated_at": now,
-            }
+            values = _back_to_queue(now, enqueued_at=None)
             bucket = out.requeued
         # Re-check staleness in the UPDATE itself: a heartbeat that arrived meanwhile wins.
         if _cas(session, job_id, stale_cond, values):
