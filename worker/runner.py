@@ -641,7 +641,9 @@ def _run_attempt(attempt: Attempt) -> Path:
     if job_cfg.is_dynamic:
         if cfg.profiles is None:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
-        menu_p = (request.get("options") or {}).get("p")
+        menu_p = job_cfg.menu_p
+        if menu_p is None:  # a config stored before JobConfig had menu_p
+            menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
             sessions,
             source,

@@ -42,6 +42,10 @@ class JobConfig(BaseModel):
     # Calibrated HIGGS: {"id", "sha256", "bytes", "tokens"} of an uploaded text
     # (POST /v1/calibrations); absent for data-free jobs.
     calibration: dict[str, Any] | None = None
+    # Dynamic targets: the grid dimension the user restricted the allocator's menu to
+    # (options.p); None = every dimension. Configs written before this field existed leave it
+    # out and the worker reads options.p from the stored request instead.
+    menu_p: int | None = None
 
     @field_validator("engine")
     @classmethod
@@ -80,6 +84,8 @@ class JobConfig(BaseModel):
         d = self.model_dump(mode="json")
         if d.get("calibration") is None:
             d.pop("calibration", None)  # data-free jobs keep the shape they always had
+        if d.get("menu_p") is None:
+            d.pop("menu_p", None)
         return d
 
     @property

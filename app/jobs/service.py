@@ -143,7 +143,12 @@ def validate_request(
     return JobSpec(
         request=request,
         request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
-        config=JobConfig(engine=cfg.to_dict(), target={kind: value}, evaluate=opts.evaluate),
+        config=JobConfig(
+            engine=cfg.to_dict(),
+            target={kind: value},
+            evaluate=opts.evaluate,
+            menu_p=opts.p if kind in DYNAMIC_TARGETS else None,
+        ),
         model_id=req.model.id,
         webhook_url=webhook_url,
     )

@@ -178,6 +178,7 @@ def test_dynamic_targets_are_accepted_by_default(client: TestClient, auth: dict[
         client, auth, {"model": {"id": "tiny"}, "target": {"avg_bits": 2.5}, "options": {"p": 1}}
     )
     assert r.status_code == 202, r.text
+    assert r.json()["config"]["menu_p"] == 1  # the worker restricts the allocator's menu to p=1
     # The range is named in the message.
     body = assert_problem(
         submit(client, auth, {"model": {"id": "tiny"}, "target": {"avg_bits": 0.9}}),

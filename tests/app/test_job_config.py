@@ -26,6 +26,19 @@ def test_an_early_row_without_evaluate_loads_as_false() -> None:
     assert cfg.evaluate is False and cfg.is_dynamic and cfg.target_value == 3.5
 
 
+def test_a_dynamic_config_keeps_its_menu_restriction() -> None:
+    stored = {
+        "version": 1,
+        "engine": ENGINE,
+        "target": {"avg_bits": 3.0},
+        "evaluate": False,
+        "menu_p": 1,
+    }
+    cfg = JobConfig.load(stored)
+    assert cfg.menu_p == 1 and cfg.to_dict() == stored
+    assert "menu_p" not in JobConfig.load({**stored, "menu_p": None}).to_dict()
+
+
 @pytest.mark.parametrize(
     "stored",
     [
