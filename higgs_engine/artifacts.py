@@ -13,6 +13,10 @@ dequantized/
 
 Both safetensors files are written by a streaming writer (one tensor in memory at a time) with
 tensors ordered by name, so the same content always gives the same bytes.
+
+A sharded source (a model.safetensors.index.json) gives sharded artifacts instead, assembled
+from parts (higgs_engine.parts): model-0000i-of-0000N.safetensors + model.safetensors.index.json
+in each format, as transformers writes large models; load_model / load_native read both.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +37,11 @@ from higgs_engine.model_structure import (
     match_key,
     model_class,
 )
-from higgs_engine.safetensors_stream import StreamingSafetensorsWriter
+from higgs_engine.safetensors_stream import (
+    SHARD_INDEX,
+    StreamingSafetensorsWriter,
+    read_weight_map,
+)
 from higgs_engine.sources import resolve_source, tokenizer_files
 
 if TYPE_CHECKING:
@@ -92,6 +100,38 @@ def _write_json(path: Path, obj: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def quantization_config(
+    dtype: str,
+    engine_config: dict[str, Any],
+    grids: Iterable[tuple[int, int]],
+    layers: dict[str, dict[str, Any]],
+    kept: Iterable[str],
+) -> dict[str, Any]:
+    """The native config.json's "quantization_config" entry."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "engine_config": engine_config,
+        "grids": {f"p{p}n{n}": grid_key(p, n) for (p, n) in sorted(grids)},
+        "layers": layers,
+        "modules_to_not_convert": sorted(kept),
+    }
+
+
+def write_configs(
+    fmt_dir: Path, source_dir: Path, dtype: str, quant_config: dict[str, Any] | None
+) -> None:
+    """config.json (the source's, with `dtype` and, for native, `quant_config`) and the
+    source's tokenizer files into one format directory."""
+    cfg = _with_dtype(_raw_config(source_dir), dtype)
+    if quant_config is not None:
+        cfg["quantization_config"] = quant_config
+    _write_json(fmt_dir / "config.json", cfg)
+    for f in tokenizer_files(source_dir):
+        shutil.copy2(f, fmt_dir / f.name)
+
+
 @dataclass
 class _Entry:
     spec: LayerSpec
@@ -112,6 +152,8 @@ class ArtifactWriter:
     source_dir: Path
     engine_config: dict[str, Any]
     native_bytes: int = 0  # tensor bytes of the native artifact, whether or not it is written
+    # False for one part of a sharded run: the grids go to a shard of their own at assembly.
+    grids_in_native: bool = True
     _writers: dict[str, StreamingSafetensorsWriter] = field(default_factory=dict)
     _layers: dict[str, _Entry] = field(default_factory=dict)
     _grids: dict[tuple[int, int], int] = field(default_factory=dict)  # (p, n) -> bytes
@@ -158,7 +200,7 @@ class ArtifactWriter:
         if gk not in self._grids:
             grid = get_grid(*gk).to(torch.float32).contiguous()
             self._grids[gk] = grid.numel() * grid.element_size()
-            if "native" in self._writers:
+            if "native" in self._writers and self.grids_in_native:
                 self._writers["native"].add(grid_key(*gk), grid)
             self.native_bytes += self._grids[gk]
         if "dequantized" in self._writers:
@@ -172,36 +214,50 @@ class ArtifactWriter:
     def grid_bytes(self) -> int:
         return sum(self._grids.values())
 
-    def quantization_config(self) -> dict[str, Any]:
+    def layers_config(self) -> dict[str, dict[str, Any]]:
+        """The quantization_config "layers" entries of the layers written so far."""
         return {
-            "quant_method": QUANT_METHOD,
-            "format_version": FORMAT_VERSION,
-            "dtype": self.dtype,
-            "engine_config": self.engine_config,
-            "grids": {f"p{p}n{n}": grid_key(p, n) for (p, n) in sorted(self._grids)},
-            "layers": {
-                name: {
-                    **e.meta,
-                    "weight_key": e.spec.key,
-                    "bias_key": e.spec.bias_key,
-                    "transposed": e.spec.transposed,
-                }
-                for name, e in self._layers.items()
-            },
-            "modules_to_not_convert": sorted(self._kept),
+            name: {
+                **e.meta,
+                "weight_key": e.spec.key,
+                "bias_key": e.spec.bias_key,
+                "transposed": e.spec.transposed,
+            }
+            for name, e in self._layers.items()
         }
+
+    @property
+    def grids_used(self) -> list[tuple[int, int]]:
+        return sorted(self._grids)
+
+    @property
+    def kept_layers(self) -> list[str]:
+        return sorted(self._kept)
+
+    def tensor_names(self, fmt: str) -> list[str]:
+        """Names of the tensors written to format `fmt`, sorted (the file's order)."""
+        return sorted(self._writers[fmt].names())
+
+    def quantization_config(self) -> dict[str, Any]:
+        return quantization_config(
+            self.dtype, self.engine_config, self._grids, self.layers_config(), self._kept
+        )
+
+    def finish_part(self) -> dict[str, int]:
+        """Close the weight files of one part of a sharded run (no configs, no tokenizer files:
+        the assembly writes those). Returns each format's tensor bytes."""
+        out = {}
+        for fmt, w in self._writers.items():
+            out[fmt] = w.nbytes
+            w.close()
+        return out
 
     def finish(self) -> dict[str, dict[str, int]]:
         """Close the weight files and write configs + tokenizer files. Returns file sizes."""
-        raw = _raw_config(self.source_dir)
         for fmt, w in self._writers.items():
             w.close()
-            cfg = _with_dtype(raw, self.dtype)
-            if fmt == "native":
-                cfg["quantization_config"] = self.quantization_config()
-            _write_json(self.root / fmt / "config.json", cfg)
-            for f in tokenizer_files(self.source_dir):
-                shutil.copy2(f, self.root / fmt / f.name)
+            qc = self.quantization_config() if fmt == "native" else None
+            write_configs(self.root / fmt, self.source_dir, self.dtype, qc)
         return {
             fmt: {p.name: p.stat().st_size for p in sorted((self.root / fmt).iterdir())}
             for fmt in self._writers
@@ -339,9 +395,43 @@ def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
     return match_key(key, model_keys, prefix) or key
 
 
+class _WeightFiles:
+    """The weights of an artifact: model.safetensors, or the shards its SHARD_INDEX lists."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        weight_map = read_weight_map(path)
+        names = [WEIGHTS_NAME] if weight_map is None else sorted(set(weight_map.values()))
+        self.describe = str(path / (WEIGHTS_NAME if weight_map is None else SHARD_INDEX))
+        self._where: dict[str, Any] = {}
+        for name in names:
+            try:
+                handle = safe_open(str(path / name), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CorruptCheckpointError(f"cannot read {str(path / name)!r}: {exc}") from exc
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                if key in self._where:
+                    raise CorruptCheckpointError(
+                        f"tensor {key!r} appears in more than one shard of {str(path)!r}"
+                    )
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise CorruptCheckpointError(
+                        f"tensor {key!r} is in {name!r} but {SHARD_INDEX} says "
+                        f"{weight_map.get(key)!r}"
+                    )
+                self._where[key] = handle
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+
 def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model of a native artifact with HiggsLinear layers (on CPU)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     from higgs_engine.modules import HiggsLinear
     from higgs_engine.quantize import QuantizedMatrix
@@ -360,11 +450,8 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     with _params_on_meta():
         model = model_class(config)._from_config(config, dtype=dtype or store_dtype)  # type: ignore[attr-defined]
 
-    wfile = path / WEIGHTS_NAME
-    try:
-        handle = safe_open(str(wfile), framework="pt")
-    except (SafetensorError, OSError) as exc:
-        raise CorruptCheckpointError(f"cannot read {str(wfile)!r}: {exc}") from exc
+    handle = _WeightFiles(path)
+    wfile = handle.describe
     keys = set(handle.keys())
     used: set[str] = set()
     layers: dict[str, dict[str, Any]] = qc["layers"]

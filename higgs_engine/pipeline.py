@@ -24,7 +24,7 @@ from higgs_engine.model_structure import LayerSpec, is_skipped, layer_specs, loa
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
-from higgs_engine.safetensors_stream import CheckpointReader
+from higgs_engine.safetensors_stream import CheckpointReader, read_weight_map
 from higgs_engine.sources import ResolvedSource, resolve_source
 
 if TYPE_CHECKING:
@@ -331,6 +331,9 @@ class _Written:
 def _run(ctx: _RunContext) -> Report:
     t_start = time.perf_counter()
     src = _resolve(ctx)
+    weight_map = read_weight_map(src.path)
+    if ctx.calibration is None and weight_map is not None and len(set(weight_map.values())) > 1:
+        return _run_parts(ctx, src, t_start)
     t0 = time.perf_counter()
     report(ctx.progress, "loading", 0, 1)
     hf_config = load_config(src.path)
@@ -345,6 +348,51 @@ def _run(ctx: _RunContext) -> Report:
     rep.save(ctx.tmp / "report.json")
     report(ctx.progress, "packaging", 1, 1)
     return rep
+
+
+def _run_parts(ctx: _RunContext, src: ResolvedSource, t_start: float) -> Report:
+    """A sharded source (data-free): one part per shard, one after the other, assembled into
+    sharded artifacts (higgs_engine.parts) exactly as parts run by many workers would be."""
+    from higgs_engine.parts import assemble_parts, planned_layers, quantize_part, source_parts
+
+    t0 = time.perf_counter()
+    report(ctx.progress, "loading", 0, 1)
+    parts = source_parts(src.path)
+    totals = planned_layers(src.path, parts, ctx.config)
+    report(ctx.progress, "loading", 1, 1)
+    ctx.timings["loading"] = time.perf_counter() - t0
+    total = sum(totals.values())
+    scratch = ctx.tmp.with_name(ctx.tmp.name + ".parts")
+    try:
+        t0 = time.perf_counter()
+        dirs = []
+        offset = 0
+        for part in parts:
+
+            def progress(stage: str, done: int, _total: int, offset: int = offset) -> bool | None:
+                if ctx.progress is None:
+                    return None
+                return ctx.progress(stage, offset + done, total)
+
+            d = scratch / f"part-{part.index:05d}"
+            quantize_part(src.path, part, d, ctx.config, progress, device=str(ctx.device))
+            dirs.append(d)
+            offset += totals[part.index]
+        ctx.timings["quantizing"] = time.perf_counter() - t0
+        ctx.timings["total"] = time.perf_counter() - t_start
+        return assemble_parts(
+            src.path,
+            dirs,
+            ctx.tmp,
+            ctx.config,
+            ctx.progress,
+            resolved=ResolvedSource(src.path, str(ctx.source), src.revision, src.kind),
+            move=True,
+            timings=ctx.timings,
+            device=str(ctx.device),
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _resolve(ctx: _RunContext) -> ResolvedSource:

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,25 @@ if TYPE_CHECKING:
     import torch
 
 _CHUNK = 16 << 20
+# The shard index of a sharded checkpoint, as transformers writes it.
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def read_weight_map(path: Path) -> dict[str, str] | None:
+    """{tensor name: shard file} of a sharded checkpoint directory (its SHARD_INDEX), or None
+    when the directory has no index (a single model.safetensors)."""
+    index = Path(path) / SHARD_INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map is not an object of names to file names")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"invalid safetensors index {str(index)!r}: {exc}") from exc
+    return dict(weight_map)
 
 
 def _st_dtype(dtype: torch.dtype) -> str:
@@ -87,6 +106,9 @@ class StreamingSafetensorsWriter:
     @property
     def nbytes(self) -> int:
         return self._pos
+
+    def names(self) -> list[str]:
+        return list(self._entries)
 
     def close(self) -> Path:
         self._data.close()
@@ -148,11 +170,14 @@ class CheckpointReader:
     its own buffer. No memory map: pages of a mapped file stay resident (and count in RSS) once
     touched, so streaming a 2 GB checkpoint through mmap would look like loading all of it.
     Use as a context manager (or call close()) to release the file handles.
+
+    `files`: read only these shards of the checkpoint (one part of a sharded source); the
+    others are never opened and need not be present.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, files: Sequence[str] | None = None) -> None:
         self.path = Path(path)
-        files = self._files()
+        files = self._files() if files is None else self._only(files)
         self._handles: dict[str, io.FileIO] = {}
         self._where: dict[str, str] = {}
         # key -> (safetensors dtype, shape, absolute start, absolute end)
@@ -215,20 +240,23 @@ class CheckpointReader:
             self._where[key] = name
             self._info[key] = (dtype, shape, base + start, base + end)
 
+    def _only(self, files: Sequence[str]) -> list[str]:
+        names = sorted(set(files))
+        missing = [f for f in names if "/" in f or not (self.path / f).is_file()]
+        if not names or missing:
+            raise CorruptCheckpointError(
+                f"shards {missing or names} are missing from {str(self.path)!r}"
+            )
+        return names
+
     def _files(self) -> list[str]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(
-                    f"invalid safetensors index {str(index)!r}: {exc}"
-                ) from exc
+        weight_map = read_weight_map(self.path)
+        if weight_map is not None:
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.path / f).is_file()]
             if missing:
                 raise CorruptCheckpointError(
-                    f"shards listed in {index.name} are missing: {missing}"
+                    f"shards listed in {SHARD_INDEX} are missing: {missing}"
                 )
             return files
         if (self.path / "model.safetensors").is_file():

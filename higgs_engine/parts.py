@@ -1,0 +1,382 @@
+"""One checkpoint quantized part by part, and the artifacts assembled from the parts.
+
+Data-free HIGGS quantizes every layer on its own, so a sharded source can be split: a part is
+one or more of its safetensors shards (`list_parts`, a pure function of the shard index).
+`quantize_part` reads only its part's shards and writes, per format, one safetensors file of
+the tensors those shards hold (quantized layers as codes + scales in `native`, as 16-bit
+weights in `dequantized`) and `part.json` (what the assembly needs: layer rows, the layers'
+quantization entries, the grids used, sizes). Parts may run in different processes or on
+different machines; per-layer choices (a dynamic plan's grids) come in with the HiggsConfig
+(its overrides), so every part quantizes exactly what a single run would.
+
+`assemble_parts` turns the parts into the usual output directory, sharded as transformers
+writes large models:
+
+    native/model-00001-of-00007.safetensors ... (part i -> shard i+1; the grids in the last)
+    native/model.safetensors.index.json         {"metadata": {"total_size": N}, "weight_map"}
+    native/config.json                          quantization_config of every part's layers
+    dequantized/model-00001-of-00006.safetensors ... + index, config.json
+    report.json
+
+Each part's file is written by the streaming writer (tensors ordered by name) and depends only
+on its shards and the config; the assembly orders parts by index, so assembling the same parts
+in any order gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
+from higgs_engine.model_structure import LayerSpec, layer_specs, load_config
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.progress import ProgressCallback, report
+from higgs_engine.report import LayerReport, Report
+from higgs_engine.safetensors_stream import (
+    SHARD_INDEX,
+    CheckpointReader,
+    StreamingSafetensorsWriter,
+    read_weight_map,
+)
+
+if TYPE_CHECKING:
+    from higgs_engine.pipeline import LayerPlan
+    from higgs_engine.sources import ResolvedSource
+
+PART_META = "part.json"
+PART_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a sharded source: its index (0-based) and the shard files it reads."""
+
+    index: int
+    shards: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "shards": list(self.shards)}
+
+
+def list_parts(weight_map: Mapping[str, str], shards_per_part: int = 1) -> list[Part]:
+    """The parts of a sharded source from its shard index's weight_map ({tensor: shard file}):
+    the shard files sorted by name, `shards_per_part` consecutive ones per part."""
+    if shards_per_part < 1:
+        raise InvalidConfigError(f"shards_per_part must be at least 1, not {shards_per_part}")
+    shards = sorted(set(weight_map.values()))
+    return [
+        Part(i, tuple(shards[j : j + shards_per_part]))
+        for i, j in enumerate(range(0, len(shards), shards_per_part))
+    ]
+
+
+def source_parts(path: Path, shards_per_part: int = 1) -> list[Part]:
+    """The parts of the checkpoint directory `path` (one part holding model.safetensors when
+    it has no shard index)."""
+    weight_map = read_weight_map(path)
+    if weight_map is None:
+        return [Part(0, ("model.safetensors",))]
+    return list_parts(weight_map, shards_per_part)
+
+
+def shard_name(i: int, n: int) -> str:
+    """transformers' name for shard i (0-based) of n."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _all_keys(path: Path) -> list[str]:
+    """Every tensor name of the source, from its shard index (no shard is opened)."""
+    weight_map = read_weight_map(path)
+    if weight_map is None:
+        raise CorruptCheckpointError(f"{str(path)!r} has no {SHARD_INDEX}; it is not sharded")
+    return list(weight_map)
+
+
+def _plans(
+    path: Path, hf_config: Any, config: HiggsConfig
+) -> tuple[list[LayerSpec], list[LayerPlan]]:
+    from higgs_engine.pipeline import plan_layers
+
+    specs = layer_specs(hf_config, _all_keys(path))
+    return specs, plan_layers(specs, config)
+
+
+def planned_layers(path: Path, parts: Sequence[Part], config: HiggsConfig) -> dict[int, int]:
+    """{part index: layers it quantizes} from the shard index alone (for progress totals)."""
+    weight_map = read_weight_map(path) or {}
+    _, plans = _plans(path, load_config(path), config)
+    where = {shard: p.index for p in parts for shard in p.shards}
+    out = {p.index: 0 for p in parts}
+    for pl in plans:
+        if pl.grid is not None and weight_map.get(pl.spec.key) in where:
+            out[where[weight_map[pl.spec.key]]] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One part
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PartResult:
+    """What quantize_part wrote (the content of part.json)."""
+
+    meta: dict[str, Any]
+    seconds: float
+
+
+def quantize_part(
+    source: Path,
+    part: Part,
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    device: str | None = None,
+) -> PartResult:
+    """Quantize the tensors of `part`'s shards of the sharded checkpoint directory `source`
+    into `out_dir` (which must not exist; removed again on any error or cancellation).
+
+    Only the part's shards are opened (plus config.json and the shard index). progress is
+    called with stage "quantizing" (done/total = this part's layers); returning False cancels.
+    """
+    from higgs_engine.artifacts import ArtifactWriter
+    from higgs_engine.device import resolve_device
+    from higgs_engine.pipeline import _RunContext, _stream_tensors
+
+    t0 = time.perf_counter()
+    source = Path(source)
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"part output {str(out_dir)!r} already exists")
+    hf_config = load_config(source)
+    _, plans = _plans(source, hf_config, config)
+    ctx = _RunContext(
+        source=source,
+        tmp=out_dir,
+        config=config,
+        progress=progress,
+        revision=None,
+        token=None,
+        cache_dir=None,
+        hub_cache_dir=None,
+        local_files_only=True,
+        device=resolve_device(device or "cpu"),
+    )
+    out_dir.mkdir(parents=True)
+    try:
+        with CheckpointReader(source, files=part.shards) as reader:
+            mine = [pl for pl in plans if pl.spec.key in reader]
+            total = sum(1 for pl in mine if pl.grid is not None)
+            report(progress, "quantizing", 0, total)
+            writer = ArtifactWriter(
+                out_dir, config.formats, config.dtype, source, config.to_dict(),
+                grids_in_native=False,
+            )  # fmt: skip
+            try:
+                rows = _stream_tensors(ctx, reader, mine, writer, {}, total)
+                sizes = writer.finish_part()
+            except BaseException:
+                writer.abort()
+                raise
+            keys = reader.keys()
+            grid_bytes = writer.grid_bytes
+            meta: dict[str, Any] = {
+                "format_version": PART_FORMAT_VERSION,
+                **part.to_dict(),
+                "config": config.to_dict(),
+                "keys": keys,
+                "params": sum(reader.numel(k) for k in keys),
+                "bytes_before": reader.total_bytes,
+                "native_bytes": writer.native_bytes - grid_bytes,
+                "grids": [list(g) for g in writer.grids_used],
+                "layers": writer.layers_config(),
+                "kept": writer.kept_layers,
+                "rows": {name: row.__dict__ for name, row in rows.items()},
+                "tensors": {
+                    fmt: {"names": writer.tensor_names(fmt), "bytes": sizes[fmt]}
+                    for fmt in config.formats
+                },
+            }
+        seconds = time.perf_counter() - t0
+        meta["seconds"] = round(seconds, 6)
+        (out_dir / PART_META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        return PartResult(meta, seconds)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def read_part(part_dir: Path) -> dict[str, Any]:
+    """A part's part.json, checked enough that a wrong directory fails clearly."""
+    path = Path(part_dir) / PART_META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot read part metadata {str(path)!r}: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format_version") != PART_FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{str(path)!r} is not a part of format {PART_FORMAT_VERSION}")
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembly
+# ---------------------------------------------------------------------------------------------
+
+
+def _place(src: Path, dst: Path, move: bool) -> None:
+    if move:
+        os.replace(src, dst)
+    else:
+        shutil.copyfile(src, dst)
+
+
+def _write_index(fmt_dir: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (fmt_dir / SHARD_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def assemble_parts(
+    source: Path,
+    part_dirs: Sequence[Path],
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    resolved: ResolvedSource | None = None,
+    move: bool = False,
+    timings: Mapping[str, float] | None = None,
+    device: str | None = None,
+) -> Report:
+    """Assemble every part of a sharded source into `out_dir` (which must not exist) and
+    return the run's Report (also written as out_dir/report.json).
+
+    `source` needs only config.json, the shard index and the tokenizer files (no shard is
+    read). `part_dirs` is every part's output, in any order. move=True moves the parts' files
+    instead of copying them. The report's metrics["parts"] lists each part (index, shards,
+    seconds)."""
+    from higgs_engine.artifacts import quantization_config, write_configs
+    from higgs_engine.device import resolve_device
+    from higgs_engine.pipeline import _build_report, _RunContext, _Written
+    from higgs_engine.sources import ResolvedSource
+
+    t0 = time.perf_counter()
+    source = Path(source)
+    metas = sorted((read_part(d) | {"_dir": str(d)} for d in part_dirs), key=lambda m: m["index"])
+    n = len(metas)
+    if [m["index"] for m in metas] != list(range(n)) or not n:
+        raise InvalidConfigError(
+            f"parts {[m['index'] for m in metas]} are not every part 0..{n - 1} exactly once"
+        )
+    for m in metas:
+        if m["config"] != config.to_dict():
+            raise InvalidConfigError(f"part {m['index']} was quantized with another config")
+    report(progress, "packaging", 0, 1)
+    hf_config = load_config(source)
+    specs, plans = _plans(source, hf_config, config)
+    grids = sorted({(int(p), int(q)) for m in metas for p, q in m["grids"]})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=False)
+    try:
+        files: dict[str, dict[str, int]] = {}
+        grid_bytes = 0
+        for fmt in config.formats:
+            fmt_dir = out_dir / fmt
+            fmt_dir.mkdir()
+            with_grids = fmt == "native" and bool(grids)
+            count = n + 1 if with_grids else n
+            weight_map: dict[str, str] = {}
+            total_size = 0
+            for i, m in enumerate(metas):
+                name = shard_name(i, count)
+                _place(Path(m["_dir"]) / fmt / "model.safetensors", fmt_dir / name, move)
+                weight_map.update(dict.fromkeys(m["tensors"][fmt]["names"], name))
+                total_size += int(m["tensors"][fmt]["bytes"])
+            if with_grids:
+                grid_bytes, names = _write_grid_shard(fmt_dir / shard_name(n, count), grids)
+                weight_map.update(dict.fromkeys(names, shard_name(n, count)))
+                total_size += grid_bytes
+            _write_index(fmt_dir, weight_map, total_size)
+            layers = {k: v for m in metas for k, v in m["layers"].items()}
+            kept = [k for m in metas for k in m["kept"]]
+            qc = (
+                quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
+                if fmt == "native"
+                else None
+            )
+            write_configs(fmt_dir, source, config.dtype, qc)
+            files[fmt] = {p.name: p.stat().st_size for p in sorted(fmt_dir.iterdir())}
+        if not grid_bytes and grids:
+            from higgs_engine.grids import get_grid
+
+            grid_bytes = sum(get_grid(p, q).numel() * 4 for p, q in grids)
+        rows = {name: LayerReport(**row) for m in metas for name, row in m["rows"].items()}
+        missing = [s.name for s in specs if s.name not in rows]
+        if missing:
+            raise CorruptCheckpointError(f"no part holds the layers {missing[:5]}")
+        written = _Written(
+            rows=rows,
+            files=files,
+            grid_bytes=grid_bytes,
+            native_bytes=sum(int(m["native_bytes"]) for m in metas) + grid_bytes,
+            bytes_before=sum(int(m["bytes_before"]) for m in metas),
+            params_total=sum(int(m["params"]) for m in metas),
+            calibration=None,
+        )
+        ctx = _RunContext(
+            source=resolved.id if resolved is not None else source,
+            tmp=out_dir,
+            config=config,
+            progress=progress,
+            revision=None,
+            token=None,
+            cache_dir=None,
+            hub_cache_dir=None,
+            local_files_only=True,
+            device=resolve_device(device or "cpu"),
+            timings=dict(timings or {}),
+        )
+        ctx.timings["quantizing"] = ctx.timings.get(
+            "quantizing", sum(float(m["seconds"]) for m in metas)
+        )
+        ctx.timings["packaging"] = time.perf_counter() - t0
+        src = resolved or ResolvedSource(source, str(source), None, "local")
+        rep = _build_report(ctx, src, hf_config, specs, plans, written)
+        rep.metrics["parts"] = [
+            {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in metas
+        ]
+        rep.save(out_dir / "report.json")
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    report(progress, "packaging", 1, 1)
+    return rep
+
+
+def _write_grid_shard(path: Path, grids: Sequence[tuple[int, int]]) -> tuple[int, list[str]]:
+    """The native artifact's last shard: one float32 (n, p) tensor per grid any part used."""
+    import torch
+
+    from higgs_engine.artifacts import grid_key
+    from higgs_engine.grids import get_grid
+
+    writer = StreamingSafetensorsWriter(path, {"format": "pt"})
+    names = []
+    try:
+        for p, n in grids:
+            writer.add(grid_key(p, n), get_grid(p, n).to(torch.float32).contiguous())
+            names.append(grid_key(p, n))
+        nbytes = writer.nbytes
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return nbytes, names

@@ -1,0 +1,210 @@
+"""A sharded checkpoint quantized part by part and assembled (higgs_engine.parts)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from higgs_engine.artifacts import load_model
+from higgs_engine.errors import CancelledError, CorruptCheckpointError, InvalidConfigError
+from higgs_engine.parts import (
+    Part,
+    assemble_parts,
+    list_parts,
+    planned_layers,
+    quantize_part,
+    source_parts,
+)
+from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.safetensors_stream import SHARD_INDEX, read_weight_map
+
+CFG = HiggsConfig(p=2, n=256)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under the format directories of an output directory."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for fmt in ("native", "dequantized")
+        for p in sorted((root / fmt).rglob("*"))
+        if p.is_file()
+    }
+
+
+def tensors(fmt_dir: Path) -> dict[str, bytes]:
+    """Every tensor of a (sharded or single-file) format directory, as raw bytes."""
+    out: dict[str, bytes] = {}
+    for f in sorted(fmt_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                t = h.get_tensor(k)
+                out[k] = (
+                    t.contiguous().view(torch.uint8).numpy().tobytes()
+                    + str((t.dtype, tuple(t.shape))).encode()
+                )
+    return out
+
+
+def test_list_parts_is_a_pure_function_of_the_weight_map() -> None:
+    wm = {
+        "a": "s-2.safetensors",
+        "b": "s-1.safetensors",
+        "c": "s-3.safetensors",
+        "d": "s-1.safetensors",
+    }
+    assert list_parts(wm) == [
+        Part(0, ("s-1.safetensors",)),
+        Part(1, ("s-2.safetensors",)),
+        Part(2, ("s-3.safetensors",)),
+    ]
+    assert list_parts(wm, 2) == [
+        Part(0, ("s-1.safetensors", "s-2.safetensors")),
+        Part(1, ("s-3.safetensors",)),
+    ]
+    with pytest.raises(InvalidConfigError, match="shards_per_part must be at least 1, not 0"):
+        list_parts(wm, 0)
+
+
+@pytest.fixture(scope="module")
+def parts_out(sharded_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("parts")
+    parts = source_parts(sharded_ckpt)
+    assert len(parts) >= 3
+    dirs = []
+    for p in parts:
+        quantize_part(sharded_ckpt, p, root / f"p{p.index}", CFG)
+        dirs.append(root / f"p{p.index}")
+    return dirs
+
+
+def test_any_assembly_order_gives_byte_identical_files(
+    sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path
+) -> None:
+    first = assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    want = digests(tmp_path / "a")
+    n = len(parts_out)
+    assert f"native/model-{n + 1:05d}-of-{n + 1:05d}.safetensors" in want  # the grid shard
+    assert f"dequantized/model-{n:05d}-of-{n:05d}.safetensors" in want
+    assert f"native/{SHARD_INDEX}" in want and f"dequantized/{SHARD_INDEX}" in want
+    orders = [list(reversed(parts_out)), [parts_out[1], parts_out[0], *parts_out[2:]]]
+    orders.append(sorted(parts_out, key=lambda p: hashlib.md5(p.name.encode()).hexdigest()))
+    for i, order in enumerate(orders):
+        rep = assemble_parts(sharded_ckpt, order, tmp_path / f"o{i}", CFG)
+        assert digests(tmp_path / f"o{i}") == want
+        assert [r.__dict__ for r in rep.layers] == [r.__dict__ for r in first.layers]
+    # the index names every tensor of its shards, and sizes add up
+    idx = json.loads((tmp_path / "a" / "native" / SHARD_INDEX).read_text())
+    got = tensors(tmp_path / "a" / "native")
+    assert set(idx["weight_map"]) == set(got)
+    assert [p["index"] for p in first.metrics["parts"]] == list(range(n))
+
+
+def test_assembled_equals_single_run_per_tensor(
+    sharded_ckpt: Path,
+    llama_ckpt: Path,
+    parts_out: list[Path],
+    tmp_path: Path,
+) -> None:
+    """Same model saved unsharded, quantized by one single-file run: every tensor, the
+    quantization entries and the report's per-layer rows are the same."""
+    rep = assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    single = quantize_checkpoint(llama_ckpt, tmp_path / "s", CFG)
+    assert (tmp_path / "s" / "native" / "model.safetensors").is_file()
+    assert not (tmp_path / "s" / "native" / SHARD_INDEX).exists()
+    for fmt in ("native", "dequantized"):
+        assert tensors(tmp_path / "a" / fmt) == tensors(tmp_path / "s" / fmt)
+    qa = json.loads((tmp_path / "a" / "native" / "config.json").read_text())
+    qs = json.loads((tmp_path / "s" / "native" / "config.json").read_text())
+    assert qa == qs
+    assert [r.__dict__ for r in rep.layers] == [r.__dict__ for r in single.layers]
+    assert (rep.bits_per_weight, rep.bytes_after, rep.params_total, rep.bytes_before) == (
+        single.bits_per_weight,
+        single.bytes_after,
+        single.params_total,
+        single.bytes_before,
+    )
+    # one part holding every shard: same tensors again, in one shard
+    one = Part(0, tuple(sorted(set((read_weight_map(sharded_ckpt) or {}).values()))))
+    quantize_part(sharded_ckpt, one, tmp_path / "one", CFG)
+    assemble_parts(sharded_ckpt, [tmp_path / "one"], tmp_path / "b", CFG)
+    assert tensors(tmp_path / "b" / "native") == tensors(tmp_path / "s" / "native")
+
+
+def test_quantize_checkpoint_of_a_sharded_source_is_the_assembly(
+    sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path
+) -> None:
+    seen: list[tuple[str, int, int]] = []
+
+    def progress(stage: str, done: int, total: int) -> bool:
+        seen.append((stage, done, total))
+        return True
+
+    rep = quantize_checkpoint(sharded_ckpt, tmp_path / "q", CFG, progress)
+    assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    assert digests(tmp_path / "q") == digests(tmp_path / "a")
+    quant = [(d, t) for s, d, t in seen if s == "quantizing"]
+    total = len([r for r in rep.layers if r.p])
+    assert quant[-1] == (total, total) and all(t == total for _, t in quant)
+    assert [d for d, _ in quant] == sorted(d for d, _ in quant)  # adds up across parts
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "q"]  # no scratch left
+
+
+def test_sharded_artifacts_load_like_single_file_ones(
+    sharded_ckpt: Path, llama_ckpt: Path, parts_out: list[Path], tmp_path: Path
+) -> None:
+    assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    quantize_checkpoint(llama_ckpt, tmp_path / "s", CFG)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    for fmt in ("native", "dequantized"):
+        m_a, _ = load_model(tmp_path / "a" / fmt)
+        m_s, _ = load_model(tmp_path / "s" / fmt)
+        with torch.no_grad():
+            assert torch.equal(m_a(ids).logits, m_s(ids).logits)
+
+
+def test_a_part_reads_only_its_own_shards(sharded_ckpt: Path, tmp_path: Path) -> None:
+    parts = source_parts(sharded_ckpt)
+    src = tmp_path / "src"
+    shutil.copytree(sharded_ckpt, src)
+    for other in parts[1:]:
+        for shard in other.shards:
+            (src / shard).unlink()
+    res = quantize_part(src, parts[0], tmp_path / "p0", CFG)
+    assert res.meta["shards"] == list(parts[0].shards)
+    assert (tmp_path / "p0" / "native" / "model.safetensors").is_file()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        quantize_part(src, parts[1], tmp_path / "p1", CFG)
+    assert not (tmp_path / "p1").exists()
+
+
+def test_planned_layers_add_up(sharded_ckpt: Path) -> None:
+    parts = source_parts(sharded_ckpt)
+    counts = planned_layers(sharded_ckpt, parts, CFG)
+    rep_layers = 2 * 7  # tiny llama: 2 blocks x (q, k, v, o, gate, up, down)
+    assert sum(counts.values()) == rep_layers and set(counts) == {p.index for p in parts}
+
+
+def test_cancel_and_bad_assembly(sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path) -> None:
+    part = next(
+        p for p, n in planned_layers(sharded_ckpt, source_parts(sharded_ckpt), CFG).items() if n
+    )
+    with pytest.raises(CancelledError):
+        quantize_part(
+            sharded_ckpt, source_parts(sharded_ckpt)[part], tmp_path / "c", CFG,
+            lambda s, d, t: d == 0,
+        )  # fmt: skip
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(InvalidConfigError, match="not every part"):
+        assemble_parts(sharded_ckpt, parts_out[1:], tmp_path / "x", CFG)
+    with pytest.raises(InvalidConfigError, match="another config"):
+        assemble_parts(sharded_ckpt, parts_out, tmp_path / "y", HiggsConfig(p=2, n=64))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
