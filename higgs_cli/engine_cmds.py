@@ -229,6 +229,14 @@ def _calibration_text(args: argparse.Namespace) -> str | None:
     return read_calibration_file(Path(args.calibration))
 
 
+def _text_cache(args: argparse.Namespace) -> Path:
+    """Self-generated text is cached beside the profiles (--profile-cache, or the default)."""
+    from higgs_cli.dynamic_cmds import default_profile_cache
+
+    given = getattr(args, "profile_cache", None)
+    return Path(given) if given else default_profile_cache()
+
+
 def _calibration(args: argparse.Namespace, text: str | None, progress: Any) -> Any:
     if args.calibration is None:
         return None
@@ -243,6 +251,7 @@ def _calibration(args: argparse.Namespace, text: str | None, progress: Any) -> A
             label=f"file:{Path(args.calibration).name}" if text is not None else "self",
             revision=args.revision,
             token=args.token,
+            cache_dir=_text_cache(args) if text is None else None,
             progress=progress,
         )
     except Exception as exc:

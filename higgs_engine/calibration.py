@@ -152,11 +152,6 @@ def calibration_from_text(
     )
 
 
-def default_selfgen_cache() -> Path:
-    """Where self-generated calibration text is cached (per model revision and settings)."""
-    return Path.home() / ".cache" / "higgs" / "selfgen"
-
-
 def self_calibration(
     path: Path,
     tokens: int = DEFAULT_CALIBRATION_TOKENS,
@@ -167,8 +162,9 @@ def self_calibration(
     progress: ProgressCallback | None = None,
 ) -> Calibration:
     """Calibration on text the model writes itself (higgs_engine.selfgen, seeded, cached per
-    model revision): ceil(tokens / context) sampled sequences of `context` tokens. Generation
-    loads the model once in float32 (the calibration pass itself never does)."""
+    model revision in `cache_dir`; generated anew when it is None): ceil(tokens / context)
+    sampled sequences of `context` tokens. Generation loads the model once in float32 (the
+    calibration pass itself never does)."""
     import torch
 
     from higgs_engine.dynamic import load_float_model, source_fingerprint
@@ -181,9 +177,7 @@ def self_calibration(
     rev = revision or source_fingerprint(Path(path))
     model, tok = load_float_model(Path(path))
     try:
-        toks = cached_self_tokens(
-            model, tok, rev, cache_dir or default_selfgen_cache(), cfg, progress=progress
-        )
+        toks = cached_self_tokens(model, tok, rev, cache_dir, cfg, progress=progress)
     finally:
         del model
     windows = toks.to(torch.long).contiguous()

@@ -64,11 +64,13 @@ def test_calibration_self(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     argv = ["--calibration", "self", "--calibration-tokens", "128", "--json"]
     assert main([*_quantize(llama_ckpt, tmp_path / "s1"), *argv]) == 0
     first = json.loads(capsys.readouterr().out)["metrics"]["calibration"]
     assert first["source"].startswith("self:") and first["tokens"] == 128
-    cached = list((tmp_path / "home" / ".cache" / "higgs" / "selfgen").iterdir())
+    # Cached beside the profiles (the CLI's cache), never in a place the engine picks itself.
+    cached = list((tmp_path / "home" / ".cache" / "higgs" / "profiles").glob("selfgen-*"))
     assert len(cached) == 1
     # Second run: the cached text, the same tokens.
     assert main([*_quantize(llama_ckpt, tmp_path / "s2"), *argv]) == 0
