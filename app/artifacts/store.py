@@ -302,7 +302,14 @@ class S3Store(ArtifactStore):
         )
 
     @contextlib.contextmanager
-    def _calls(self, what: str, missing: str | None = None) -> Iterator[None]:
+    def _calls(
+        self, what: str, missing: str | None = None, bucket: str | None = None
+    ) -> Iterator[None]:
+        """Store errors as StoreUnavailableError; with `missing` (a file path), a missing key as
+        StoreObjectMissingError. A HEAD answer has no body, so a bare 404 may also mean a
+        missing bucket: with `bucket`, the bucket is checked before a 404 counts as a missing
+        file."""
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -310,9 +317,16 @@ class S3Store(ArtifactStore):
         except ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             if missing is not None and code in ("NoSuchKey", "404", "NotFound"):
+                if code != "NoSuchKey" and bucket is not None:
+                    with self._calls("bucket check"):
+                        self.client.head_bucket(Bucket=bucket)
                 raise StoreObjectMissingError(f"file {missing!r} is missing from the store") from e
             raise self._unavailable(e, f"{what} ({code})") from e
         except BotoCoreError as e:
+            raise self._unavailable(e, what) from e
+        except S3UploadFailedError as e:
+            # upload_file wraps the ClientError of a refused part or PUT (bucket gone, key
+            # without write access, a store error) in its own type.
             raise self._unavailable(e, what) from e
 
     # ---- reading
@@ -323,7 +337,7 @@ class S3Store(ArtifactStore):
 
     def stat(self, root_uri: str, path: str) -> int:
         bucket, key = self._object(root_uri, path)
-        with self._calls("stat", missing=path):
+        with self._calls("stat", missing=path, bucket=bucket):
             head = self.client.head_object(Bucket=bucket, Key=key)
         return int(head["ContentLength"])
 

@@ -145,6 +145,10 @@ def test_unreachable_and_misconfigured_stores_are_unavailable(s3_server: Any) ->
     )
     with pytest.raises(StoreUnavailableError):
         no_bucket.check()
+    # The server answers HEAD of a key in a missing bucket with a bare 404, as for a missing
+    # key: still the store's fault (503), not a lost file (500).
+    with pytest.raises(StoreUnavailableError):
+        no_bucket.stat(no_bucket.attempt_uri("j", "1.a"), "native/w.bin")
 
 
 def test_settings_refuse_a_non_s3_url(tmp_path: Path) -> None:
