@@ -116,6 +116,10 @@ class Settings(BaseSettings):
     # artifacts volume has more free space, and in any case after this long.
     storage_retry_s: float = Field(default=1800.0, gt=0)
     sweep_interval_s: float = Field(default=30.0, gt=0)
+    # A job whose source is sharded (model.safetensors.index.json with several shards) is split
+    # into one part per shard, run by any worker, and assembled (a Celery chord on the Redis
+    # result backend; the sweep is the barrier when a host dies). Only with a Redis broker.
+    fanout: bool = True
     job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
     job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)
     worker_concurrency: int = Field(default=1, ge=1)

@@ -31,6 +31,8 @@ from app.settings import DEFAULT_QUEUE, GPU_QUEUE, TASK_NAME, Settings, get_sett
 log = logging.getLogger("worker")
 
 SWEEP_TASK = "higgs.sweep"
+PART_TASK = "higgs.run_part"
+ASSEMBLE_TASK = "higgs.assemble"
 
 
 def broker_options(settings: Settings) -> dict[str, Any]:
@@ -76,6 +78,9 @@ def make_celery(settings: Settings) -> Celery:
         # and re-initialisation between a job's submit and its start.
         worker_max_memory_per_child=settings.worker_max_memory_mb * 1024,  # KiB
     )
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        # Only the parts of a fanned-out job keep a result: their chord is counted here.
+        app.conf.update(result_backend=settings.broker_url, result_expires=7 * 24 * 3600)
     app.conf.higgs_settings = settings
     return app
 
@@ -148,20 +153,40 @@ def broker_depth(settings: Settings) -> int | None:
     return total
 
 
+def send_task(settings: Settings, name: str, args: list[Any]) -> bool:
+    """Send a task of this app by name; False (logged) when the broker cannot be reached."""
+    try:
+        app.send_task(name, args=args, queue=settings.task_queue)
+    except Exception as e:
+        log.warning("could not send %s%s: %s", name, tuple(args), e)
+        return False
+    return True
+
+
 def sweep_once(settings: Settings, requeue_stale: bool = True) -> dict[str, list[str]]:
     from worker.models import register_local_models
-    from worker.sweep import sweep
+    from worker.sweep import sweep, sweep_fanout
 
     # The API accepts local model names from these rows (it needs no models folder itself).
     register_local_models(sessions_for(settings), settings.models_dir)
 
-    return sweep(
+    out = sweep(
         sessions_for(settings),
         settings,
         lambda job_id: enqueue(settings, job_id),
         lambda: broker_depth(settings),
         requeue_stale=requeue_stale,
     ).as_dict()
+    out.update(
+        sweep_fanout(
+            sessions_for(settings),
+            settings,
+            lambda job_id, attempt, idx: send_task(settings, PART_TASK, [job_id, attempt, idx]),
+            lambda job_id, attempt: send_task(settings, ASSEMBLE_TASK, [None, job_id, attempt]),
+            requeue_stale=requeue_stale,
+        )
+    )
+    return out
 
 
 # ---------------------------------------------------------------- the app

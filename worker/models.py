@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,12 @@ def resolve_model(
     models_dir: Path | None,
     token: str | None,
     offline: bool,
+    shards: Sequence[str] | None = None,
 ) -> ModelSource:
     """Where the job's model lives on this machine, downloading Hub files into the HF cache.
+
+    `shards`: from the Hub, download only these safetensors files (one part of a fanned-out
+    job; () = none, only config, shard index and tokenizer). None: every file.
 
     The reference is checked by the same rules as at submit (app.jobs.model_ref): a plain name
     is a directory under models_dir when that is set (no separators, no '..'); anything else
@@ -58,7 +63,7 @@ def resolve_model(
         if not (ref.path / "config.json").is_file():
             raise UnsupportedModelError(f"local model {model_id!r} has no config.json")
         return ModelSource(path=ref.path, id=model_id, kind="local", revision=None)
-    return _resolve_hub(model_id, revision, token=token, offline=offline)
+    return _resolve_hub(model_id, revision, token=token, offline=offline, shards=shards)
 
 
 def refuse_outside_links(model_id: str, path: Path, models_dir: Path) -> None:
@@ -91,7 +96,12 @@ def refuse_outside_links(model_id: str, path: Path, models_dir: Path) -> None:
 
 
 def _resolve_hub(
-    repo_id: str, revision: str | None, *, token: str | None, offline: bool
+    repo_id: str,
+    revision: str | None,
+    *,
+    token: str | None,
+    offline: bool,
+    shards: Sequence[str] | None = None,
 ) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -107,7 +117,11 @@ def _resolve_hub(
                 repo_id,
                 revision=revision,
                 token=token or None,
-                allow_patterns=HUB_PATTERNS,
+                allow_patterns=(
+                    HUB_PATTERNS
+                    if shards is None
+                    else [p for p in HUB_PATTERNS if p != "*.safetensors"] + list(shards)
+                ),
                 local_files_only=offline,
             )
         )
@@ -133,7 +147,10 @@ def _resolve_hub(
         raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hub: {exc}") from exc
     # The cache keeps each snapshot under snapshots/<commit sha>/: that name is what was read.
     sha = snap.name if _SHA.match(snap.name) else revision
-    if not (snap / "config.json").is_file() or not any(snap.glob("*.safetensors")):
+    has_weights = any(snap.glob("*.safetensors")) or (
+        shards is not None and (snap / "model.safetensors.index.json").is_file()
+    )
+    if not (snap / "config.json").is_file() or not has_weights:
         raise UnsupportedModelError(
             f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint"
         )

@@ -353,9 +353,17 @@ def _claim(
 
 
 def run_job(
-    sessions: SessionFactory, job_id: str, cfg: RunnerConfig, worker_id: str | None = None
+    sessions: SessionFactory,
+    job_id: str,
+    cfg: RunnerConfig,
+    worker_id: str | None = None,
+    dispatch: Dispatch | None = None,
 ) -> Outcome:
     """One attempt at the job. Idempotent: a job that is not queued is left alone.
+
+    With `dispatch` (the Celery chord of worker.tasks), a job whose source is sharded is
+    fanned out (worker.fanout): its parts are recorded and dispatched, and this returns
+    Outcome("fanned_out") while the parts run on any worker.
 
     Every database write is retried through an outage (cfg.db_retry_s); only an outage longer
     than that abandons the attempt (the job is left running without heartbeats, and the sweep
@@ -388,7 +396,11 @@ def run_job(
             cfg.store.check()
             cfg.store.clear_job(job_id, keep=None)
         with heartbeating(writer, cfg.heartbeat_interval_s):
-            _run_attempt(Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed))
+            final = _run_attempt(
+                Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed, dispatch)
+            )
+        if final is None:
+            return Outcome("fanned_out")
         storage_recovered()
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
@@ -588,9 +600,14 @@ class Attempt:
     writer: ProgressWriter
     staging: Path
     claimed: _Claimed
+    dispatch: Dispatch | None = None
 
 
-def _run_attempt(attempt: Attempt) -> Path:
+# dispatch(job_id, job attempt, part indexes): send the parts and their assembly (a chord).
+Dispatch = Callable[[str, int, list[int]], bool]
+
+
+def _run_attempt(attempt: Attempt) -> Path | None:
     sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
     cfg, writer, staging = attempt.cfg, attempt.writer, attempt.staging
     model_id, request, pinned = (
@@ -604,12 +621,21 @@ def _run_attempt(attempt: Attempt) -> Path:
     if writer("resolving", 0, 1) is False:
         raise CancelledError("cancelled before the model was resolved")
     requested = (request.get("model") or {}).get("revision")
+    job_cfg = JobConfig.load(attempt.claimed.config)
+    may_fan_out = (
+        attempt.dispatch is not None
+        and not job_cfg.is_dynamic
+        and not job_cfg.calibration
+        and not job_cfg.evaluate
+    )
     source = resolve_model(
         model_id,
         pinned or requested,
         models_dir=cfg.models_dir,
         token=cfg.hf_token,
         offline=cfg.hf_offline,
+        # A Hub model that may fan out: its shard index first, each part fetches its shards.
+        shards=() if may_fan_out else None,
     )
     if source.revision and source.revision != pinned:
         revision = source.revision
@@ -621,8 +647,20 @@ def _run_attempt(attempt: Attempt) -> Path:
         retry_db(record_revision, f"model revision of job {job_id}", cfg.db_retry_s)
     if writer("resolving", 1, 1) is False:
         raise CancelledError("cancelled after the model was resolved")
-    job_cfg = JobConfig.load(attempt.claimed.config)
     engine_cfg = job_cfg.higgs_config()
+    if may_fan_out and attempt.dispatch is not None:
+        from worker.fanout import start_fanout
+
+        if start_fanout(attempt, source, engine_cfg, attempt.dispatch):
+            return None
+        if source.kind == "hub":  # not sharded: every file after all
+            source = resolve_model(
+                model_id,
+                source.revision,
+                models_dir=cfg.models_dir,
+                token=cfg.hf_token,
+                offline=cfg.hf_offline,
+            )
     evaluate = job_cfg.evaluate
     if evaluate and "native" not in engine_cfg.formats:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
@@ -675,17 +713,30 @@ def _run_attempt(attempt: Attempt) -> Path:
         report.timings["evaluating"] = time.perf_counter() - t1
     if (out / "report.json").exists():
         report.save(out / "report.json")
+    final = publish_result(attempt, out, report, list(engine_cfg.formats), source.revision)
+    log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
+    return final
+
+
+def publish_result(
+    attempt: Attempt, out: Path, report: Any, formats: list[str], model_revision: str | None
+) -> Path:
+    """Upload (or move into artifacts_dir) a finished output directory, record the job as
+    succeeded with its report, layer and artifact rows in one transaction, and drop what
+    earlier attempts left. Nothing stays published when the success cannot be recorded."""
+    sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
+    cfg, writer, staging = attempt.cfg, attempt.writer, attempt.staging
     if writer.stop.is_set():
         raise CancelledError("cancelled while packaging")
     store = cfg.store
     if store is not None:
-        uri, rows = _upload(store, out, job_id, staging.name, list(engine_cfg.formats), writer)
+        uri, rows = _upload(store, out, job_id, staging.name, formats, writer)
         final = out
     else:
         uri, final = "", publish(out, cfg.artifacts_dir, job_id, staging.name)
     try:
         if store is None:
-            rows = artifact_rows(final, list(engine_cfg.formats))
+            rows = artifact_rows(final, formats)
         report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
         tries = 0
 
@@ -701,7 +752,7 @@ def _run_attempt(attempt: Attempt) -> Path:
                         None,
                         rows,
                         worker_id=worker_id,
-                        model_revision=source.revision,
+                        model_revision=model_revision,
                     )
             except state.IllegalTransitionError:
                 # A retry after a commit whose reply was lost finds the job already ours.
@@ -726,7 +777,6 @@ def _run_attempt(attempt: Attempt) -> Path:
             log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)
     else:
         prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
-    log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
     return final
 
 

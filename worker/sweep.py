@@ -184,6 +184,50 @@ def _store_ready(sessions: sessionmaker[Session], settings: Settings) -> list[st
     return ready
 
 
+def sweep_fanout(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    send_part: Callable[[str, int, int], bool],
+    send_assembly: Callable[[str, int], bool],
+    *,
+    requeue_stale: bool = True,
+) -> dict[str, list[str]]:
+    """Jobs fanned out over many workers (app.jobs.parts.sweep_parts): parts whose worker
+    stopped beating go back to the queue and are sent again, parts never sent are sent, and
+    the barrier sends the assembly of jobs whose parts are all done but which no assembly
+    claimed within enqueue_grace_s (the chord's message went down with its host)."""
+    from app.jobs import parts
+
+    with sessions() as s:
+        found = parts.sweep_parts(
+            s,
+            utcnow(),
+            # With stale checks paused (after an outage), nothing is judged dead.
+            settings.heartbeat_timeout_s if requeue_stale else 10.0**9,
+            settings.max_attempts,
+            settings.enqueue_grace_s,
+        )
+    sent, assembled = [], []
+    for job_id, attempt, idx in dict.fromkeys([*found.requeued, *found.unsent]):
+        if send_part(job_id, attempt, idx):
+            with sessions() as s:
+                parts.mark_parts_enqueued(s, job_id, attempt, [idx])
+            sent.append(f"{job_id}/{idx}")
+    for job_id, attempt in found.assemble:
+        if send_assembly(job_id, attempt):
+            assembled.append(job_id)
+    out = {
+        "parts_requeued": [f"{j}/{i}" for j, _, i in found.requeued],
+        "parts_sent": sent,
+        "parts_failed": found.failed,
+        "assembly_sent": assembled,
+        "assembly_reset": found.assembly_reset,
+    }
+    if any(out.values()):
+        log.info("sweep (fan-out): %s", out)
+    return out
+
+
 class SweepThread(PeriodicThread):
     """Runs sweep() every `interval` seconds in a daemon thread (inside the worker's main
     process, which stays free while the pool runs jobs)."""

@@ -16,9 +16,17 @@ from typing import Any
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 
-from app.jobs import state
+from app.jobs import parts, state
 from app.settings import TASK_NAME
-from worker.celery_app import SWEEP_TASK, app, detect_device, sessions_for, sweep_once
+from worker.celery_app import (
+    ASSEMBLE_TASK,
+    PART_TASK,
+    SWEEP_TASK,
+    app,
+    detect_device,
+    sessions_for,
+    sweep_once,
+)
 from worker.dbretry import retry_db
 
 log = logging.getLogger("worker.tasks")
@@ -96,15 +104,111 @@ class JobRequest(Request):
             )
 
 
+class PartRequest(Request):
+    """The run_part request as the worker's main process sees it: a pool process that died
+    puts its part back in the queue at once (bounded attempts), as JobRequest does for jobs."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        try:
+            self._release_part(_exception(exc_info))
+        except Exception as e:  # the part sweep is the backstop
+            log.warning("could not release the part of lost task %s: %s", self.id, e)
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
+
+    def _release_part(self, exc: BaseException | None) -> None:
+        timed_out = isinstance(exc, TimeLimitExceeded)
+        lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
+        if not (lost or timed_out) or self.worker_pid is None or len(self.args) < 3:
+            return
+        job_id, attempt, idx = str(self.args[0]), int(self.args[1]), int(self.args[2])
+        owner = f"{socket.gethostname()}:{self.worker_pid}"
+        settings = app.conf.higgs_settings
+        sessions = sessions_for(settings)
+        if timed_out:
+            message = f"the part ran past the hard time limit ({settings.job_time_limit_s}s)"
+
+            def fail() -> bool:
+                with sessions() as s:
+                    return parts.fail_part(s, job_id, attempt, idx, owner, "time_limit", message)
+
+            retry_db(fail, f"time limit of job {job_id} part {idx}", LOST_DB_RETRY_S)
+            return
+        reason = f"the worker process running it died ({exc})"
+
+        def release() -> str | None:
+            with sessions() as s:
+                return parts.release_lost_part(
+                    s, job_id, attempt, idx, owner, settings.max_attempts, reason
+                )
+
+        status = retry_db(release, f"release of job {job_id} part {idx}", LOST_DB_RETRY_S)
+        if status is not None:
+            log.warning(
+                "job %s part %d: its pool process died (%s); part now %s", job_id, idx, exc, status
+            )
+
+
+def _runner_config() -> Any:
+    from worker.runner import RunnerConfig
+
+    settings = app.conf.higgs_settings
+    return RunnerConfig.from_settings(settings, detect_device(settings.device))
+
+
+def dispatch_parts(job_id: str, attempt: int, idxs: list[int]) -> bool:
+    """Send a fanned-out job's parts as a group with its assembly as the chord's callback
+    (counted on the Redis result backend). False when the broker cannot be reached."""
+    from celery import chord, group
+
+    try:
+        chord(group(run_part_task.si(job_id, attempt, i) for i in idxs))(
+            assemble_task.s(job_id, attempt)
+        )
+    except Exception as e:  # the sweep sends unsent parts and the assembly (its barrier)
+        log.warning("could not send the parts of job %s: %s", job_id, e)
+        return False
+    return True
+
+
+def fanout_dispatch() -> Any:
+    """dispatch_parts when this worker can fan out (HIGGS_FANOUT with a Redis broker, whose
+    result backend counts the chord), else None (sharded sources run on one worker)."""
+    settings = app.conf.higgs_settings
+    return dispatch_parts if settings.fanout and app.conf.result_backend else None
+
+
 def run_job(job_id: str) -> str:
     """Run one attempt of the job (a no-op when it is not queued). Returns the outcome."""
-    from worker.runner import RunnerConfig
     from worker.runner import run_job as run
 
     settings = app.conf.higgs_settings
-    cfg = RunnerConfig.from_settings(settings, detect_device(settings.device))
-    outcome = run(sessions_for(settings), job_id, cfg)
+    outcome = run(sessions_for(settings), job_id, _runner_config(), dispatch=fanout_dispatch())
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)
+    return outcome.status
+
+
+def run_part(job_id: str, attempt: int, idx: int) -> str:
+    """Run one attempt of one part of a fanned-out job (a no-op when it is not queued)."""
+    from worker.fanout import run_part as run
+
+    settings = app.conf.higgs_settings
+    outcome = run(sessions_for(settings), job_id, int(attempt), int(idx), _runner_config())
+    log.info("job %s part %s: %s %s", job_id, idx, outcome.status, outcome.detail)
+    return outcome.status
+
+
+def assemble(results: Any, job_id: str, attempt: int) -> str:
+    """Assemble a fanned-out job once every part is done (the chord's callback; the sweep
+    sends it too, with results None). A no-op when the parts are not all done."""
+    from worker.fanout import assemble as run
+
+    settings = app.conf.higgs_settings
+    outcome = run(sessions_for(settings), job_id, int(attempt), _runner_config())
+    log.info("job %s assembly: %s %s", job_id, outcome.status, outcome.detail)
     return outcome.status
 
 
@@ -116,6 +220,11 @@ def sweep() -> dict[str, list[str]]:
 run_job_task = app.task(name=TASK_NAME, acks_late=True, ignore_result=True, Request=JobRequest)(
     run_job
 )
+# Parts keep their result (ignore_result=False): the chord counts them on the result backend.
+run_part_task = app.task(name=PART_TASK, acks_late=True, ignore_result=False, Request=PartRequest)(
+    run_part
+)
+assemble_task = app.task(name=ASSEMBLE_TASK, acks_late=True, ignore_result=True)(assemble)
 sweep_task = app.task(name=SWEEP_TASK, ignore_result=True, soft_time_limit=120, time_limit=180)(
     sweep
 )

@@ -235,3 +235,44 @@ class Calibration(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     text: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+# Part states (app.jobs.parts owns the transitions between them).
+PART_QUEUED, PART_RUNNING, PART_DONE, PART_FAILED, PART_CANCELLED = (
+    "queued",
+    "running",
+    "done",
+    "failed",
+    "cancelled",
+)
+
+
+class JobPart(Base):
+    """One part of a job fanned out over many workers (one or more shards of the source). The
+    rows of the job's current attempt (job_attempt = jobs.attempts) are the source of truth of
+    the fan-out: who runs each part, how far it got, where its output is."""
+
+    __tablename__ = "job_parts"
+    __table_args__ = (Index("ix_job_parts_state_heartbeat", "state", "heartbeat_at"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_attempt: Mapped[int] = mapped_column(Integer)
+    shards: Mapped[list[Any]] = mapped_column()
+    # The engine config (HiggsConfig.to_dict()) every part quantizes with, recorded by the
+    # coordinator: a dynamic plan's per-layer grids are in it as overrides.
+    engine_config: Mapped[dict[str, Any]] = mapped_column()
+    state: Mapped[str] = mapped_column(String(16), default=PART_QUEUED)
+    worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    progress_done: Mapped[int] = mapped_column(Integer, default=0)
+    progress_total: Mapped[int] = mapped_column(Integer, default=0)
+    enqueued_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    error_code: Mapped[str | None] = mapped_column(String(64), default=None)
+    error_message: Mapped[str | None] = mapped_column(Text, default=None)
+    # Where the part's output is in the artifact store (never an artifact row's URI).
+    output_uri: Mapped[str | None] = mapped_column(Text, default=None)

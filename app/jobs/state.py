@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import exists
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -32,6 +33,7 @@ from app.db.models import (
     ArtifactFile,
     Job,
     JobLayer,
+    JobPart,
 )
 from app.errors import ConflictError, NotFoundError
 from app.jobs import repository
@@ -563,7 +565,10 @@ def requeue_stale(
         else timedelta(seconds=heartbeat_timeout)
     )
     cutoff = now - timeout
-    stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff]
+    # A job fanned out over many workers (job_parts rows of its attempt) is judged part by
+    # part instead (app.jobs.parts.sweep_parts).
+    fanned_out = exists().where(JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts)
+    stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff, ~fanned_out]
     rows = repository.stale_running(session, stale_cond)
     session.rollback()
     out = StaleSweep()

@@ -208,3 +208,34 @@ def test_cancel_and_bad_assembly(sharded_ckpt: Path, parts_out: list[Path], tmp_
     with pytest.raises(InvalidConfigError, match="another config"):
         assemble_parts(sharded_ckpt, parts_out, tmp_path / "y", HiggsConfig(p=2, n=64))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_per_layer_choices_are_an_input_of_each_part(
+    sharded_ckpt: Path, llama_ckpt: Path, tmp_path: Path
+) -> None:
+    """A dynamic plan's per-layer grids (overrides, some layers kept 16-bit) reach every part:
+    the assembly holds the same tensors as a single-file run with the same choices."""
+    from higgs_engine.planning.config import LayerOverride
+
+    cfg = HiggsConfig(
+        p=2,
+        n=256,
+        overrides=(
+            LayerOverride("model.layers.0.self_attn.q_proj", 2, 64),
+            LayerOverride("model.layers.1.mlp.down_proj", 0, 0),
+            LayerOverride("model.layers.1.mlp.up_proj", 1, 16),
+        ),
+    )
+    dirs = []
+    for p in source_parts(sharded_ckpt):
+        quantize_part(sharded_ckpt, p, tmp_path / f"p{p.index}", cfg)
+        dirs.append(tmp_path / f"p{p.index}")
+    rep = assemble_parts(sharded_ckpt, dirs, tmp_path / "a", cfg)
+    single = quantize_checkpoint(llama_ckpt, tmp_path / "s", cfg)
+    for fmt in ("native", "dequantized"):
+        assert tensors(tmp_path / "a" / fmt) == tensors(tmp_path / "s" / fmt)
+    grids = {r.name: (r.p, r.n) for r in rep.layers}
+    assert grids["model.layers.0.self_attn.q_proj"] == (2, 64)
+    assert grids["model.layers.1.mlp.down_proj"] == (0, 0)
+    assert grids["model.layers.1.mlp.up_proj"] == (1, 16)
+    assert [r.__dict__ for r in rep.layers] == [r.__dict__ for r in single.layers]

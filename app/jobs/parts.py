@@ -1,0 +1,661 @@
+"""The transitions of a job fanned out over many workers (the job_parts rows), and the job
+transitions they cause. Like app.jobs.state: one transaction per function, compare-and-set
+UPDATEs, so duplicate messages and racing workers are harmless.
+
+    job running (claimed by the coordinator) --fan_out--> parts queued, job stage "quantizing"
+    part queued -> running (claim_part) -> done (finish_part)
+                                        -> queued (its worker died: release_lost_part,
+                                                   requeue_stale_parts)
+                                        -> failed (fail_part: the job fails, siblings cancelled)
+    every part done --claim_assembly--> job stage "packaging" (one assembler) -> succeeded
+    cancel requested --cancel_fanout--> job cancelled, parts cancelled
+
+Parts belong to one attempt of the job (job_attempt = jobs.attempts when fanned out): a message
+of an older attempt finds nothing to claim. While a job is fanned out its heartbeat is kept by
+its parts (and by the assembler); the job-level stale sweep leaves it to the part sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, and_, delete, exists, func, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
+
+from app.db.base import utcnow
+from app.db.models import (
+    CANCELLED,
+    FAILED,
+    PART_CANCELLED,
+    PART_DONE,
+    PART_FAILED,
+    PART_QUEUED,
+    PART_RUNNING,
+    RUNNING,
+    Job,
+    JobPart,
+)
+from app.jobs.state import MAX_MESSAGE_CHARS, WORKER_LOST
+
+FANOUT_STAGE = "quantizing"
+ASSEMBLY_STAGES = ("packaging", "uploading")
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    idx: int
+    shards: tuple[str, ...]
+    total: int  # layers the part quantizes (for the job's progress total)
+
+
+@dataclass(frozen=True)
+class PartClaim:
+    job_id: str
+    job_attempt: int
+    idx: int
+    shards: tuple[str, ...]
+    attempts: int
+    model_id: str
+    model_revision: str | None
+    request: dict[str, Any]
+    engine_config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PartView:
+    idx: int
+    shards: list[str]
+    state: str
+    worker_id: str | None
+    attempts: int
+    seconds: float | None
+    output_uri: str | None
+    finished_at: datetime | None
+    engine_config: dict[str, Any]
+
+
+def _rows(result: Any) -> int:
+    return int(cast(CursorResult[Any], result).rowcount)
+
+
+def fanned_out() -> ColumnElement[bool]:
+    """Jobs whose current attempt is fanned out (a condition on Job)."""
+    return exists().where(JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts)
+
+
+def _job_live(job_id: str, attempt: int) -> list[ColumnElement[bool]]:
+    return [
+        Job.id == job_id,
+        Job.status == RUNNING,
+        Job.attempts == attempt,
+        Job.cancel_requested.is_(False),
+    ]
+
+
+def _job_is_live(job_id: str, attempt: int) -> ColumnElement[bool]:
+    return exists().where(*_job_live(job_id, attempt))
+
+
+def _part(job_id: str, attempt: int, idx: int) -> list[ColumnElement[bool]]:
+    return [JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.idx == idx]
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+def fan_out(
+    session: Session,
+    job_id: str,
+    worker_id: str,
+    attempt: int,
+    parts: Sequence[PartSpec],
+    engine_config: dict[str, Any],
+) -> bool:
+    """The coordinator's claimed job becomes fanned out: one queued row per part (rows of
+    earlier attempts replaced), stage quantizing with the parts' layers as the total. False
+    when the job is no longer the coordinator's to run (cancelled, re-queued)."""
+    now = utcnow()
+    ok = _rows(
+        session.execute(
+            update(Job)
+            .where(*_job_live(job_id, attempt), Job.worker_id == worker_id)
+            .values(
+                stage=FANOUT_STAGE,
+                stage_started_at=now,
+                progress_done=0,
+                progress_total=sum(p.total for p in parts),
+                heartbeat_at=now,
+                updated_at=now,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if ok != 1:
+        session.rollback()
+        return False
+    session.execute(delete(JobPart).where(JobPart.job_id == job_id))
+    session.add_all(
+        JobPart(
+            job_id=job_id,
+            idx=p.idx,
+            job_attempt=attempt,
+            shards=list(p.shards),
+            engine_config=dict(engine_config),
+            state=PART_QUEUED,
+            attempts=0,
+            progress_done=0,
+            progress_total=p.total,
+        )
+        for p in parts
+    )
+    session.commit()
+    return True
+
+
+def mark_parts_enqueued(session: Session, job_id: str, attempt: int, idxs: Sequence[int]) -> None:
+    session.execute(
+        update(JobPart)
+        .where(
+            JobPart.job_id == job_id,
+            JobPart.job_attempt == attempt,
+            JobPart.idx.in_(list(idxs)),
+            JobPart.state == PART_QUEUED,
+        )
+        .values(enqueued_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+
+
+# ---------------------------------------------------------------- a part's worker
+
+
+def claim_part(
+    session: Session, job_id: str, attempt: int, idx: int, worker_id: str
+) -> PartClaim | None:
+    """queued -> running (attempts += 1) while the job runs this attempt and no cancel was
+    asked. None when there is nothing to claim (duplicate message, older attempt, done)."""
+    now = utcnow()
+    n = _rows(
+        session.execute(
+            update(JobPart)
+            .where(
+                *_part(job_id, attempt, idx),
+                JobPart.state == PART_QUEUED,
+                _job_is_live(job_id, attempt),
+            )
+            .values(
+                state=PART_RUNNING,
+                attempts=JobPart.attempts + 1,
+                worker_id=worker_id,
+                started_at=now,
+                heartbeat_at=now,
+                progress_done=0,
+                error_code=None,
+                error_message=None,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return None
+    session.commit()
+    part = session.get(JobPart, (job_id, idx), populate_existing=True)
+    job = session.get(Job, job_id, populate_existing=True)
+    session.rollback()
+    if part is None or job is None:
+        return None
+    return PartClaim(
+        job_id,
+        attempt,
+        idx,
+        tuple(part.shards),
+        part.attempts,
+        job.model_id,
+        job.model_revision,
+        dict(job.request),
+        dict(part.engine_config),
+    )
+
+
+def _touch_job(session: Session, job_id: str, attempt: int, progress: bool) -> None:
+    now = utcnow()
+    values: dict[str, Any] = {"heartbeat_at": now, "updated_at": now}
+    if progress:
+        values["progress_done"] = (
+            select(func.coalesce(func.sum(JobPart.progress_done), 0))
+            .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+            .scalar_subquery()
+        )
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def record_part_progress(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    worker_id: str,
+    done: int | None = None,
+    total: int | None = None,
+) -> bool:
+    """The part's progress (None: a heartbeat only), and the job's heartbeat and progress (the
+    sum over its parts). False when the part should stop: not running for this worker, or
+    the job is no longer running this attempt, or cancel was asked."""
+    now = utcnow()
+    values: dict[str, Any] = {"heartbeat_at": now}
+    if done is not None:
+        values["progress_done"] = int(done)
+    if total is not None:
+        values["progress_total"] = int(total)
+    n = _rows(
+        session.execute(
+            update(JobPart)
+            .where(
+                *_part(job_id, attempt, idx),
+                JobPart.state == PART_RUNNING,
+                JobPart.worker_id == worker_id,
+            )
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return False
+    _touch_job(session, job_id, attempt, progress=done is not None)
+    live = session.scalar(select(_job_is_live(job_id, attempt)))
+    session.commit()
+    return bool(live)
+
+
+def finish_part(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    worker_id: str,
+    seconds: float,
+    output_uri: str,
+) -> bool:
+    """running -> done, recording where its output is. False (nothing recorded) when the part
+    is not this worker's or the job stopped meanwhile: the caller removes its output."""
+    now = utcnow()
+    n = _rows(
+        session.execute(
+            update(JobPart)
+            .where(
+                *_part(job_id, attempt, idx),
+                JobPart.state == PART_RUNNING,
+                JobPart.worker_id == worker_id,
+                _job_is_live(job_id, attempt),
+            )
+            .values(
+                state=PART_DONE,
+                finished_at=now,
+                heartbeat_at=now,
+                seconds=round(float(seconds), 6),
+                output_uri=output_uri,
+                progress_done=JobPart.progress_total,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return False
+    _touch_job(session, job_id, attempt, progress=True)
+    session.commit()
+    return True
+
+
+def _stop_siblings(session: Session, job_id: str, attempt: int, now: datetime) -> None:
+    session.execute(
+        update(JobPart)
+        .where(
+            JobPart.job_id == job_id,
+            JobPart.job_attempt == attempt,
+            JobPart.state.in_((PART_QUEUED, PART_RUNNING)),
+        )
+        .values(state=PART_CANCELLED, finished_at=now)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def fail_part(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    worker_id: str | None,
+    code: str,
+    message: str,
+) -> bool:
+    """The part failed for a reason other than a lost worker: the part is failed, the job
+    fails with the part's code and message, its other parts are cancelled. False when the
+    job was no longer running this attempt (nothing changed)."""
+    now = utcnow()
+    conds = [*_part(job_id, attempt, idx), JobPart.state == PART_RUNNING]
+    if worker_id is not None:
+        conds.append(JobPart.worker_id == worker_id)
+    n = _rows(
+        session.execute(
+            update(JobPart)
+            .where(*conds)
+            .values(
+                state=PART_FAILED,
+                finished_at=now,
+                error_code=code[:64],
+                error_message=message[:MAX_MESSAGE_CHARS],
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return False
+    part = session.get(JobPart, (job_id, idx))
+    shards = ", ".join(part.shards) if part is not None else "?"
+    ok = _rows(
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
+            .values(
+                status=FAILED,
+                error_code=code[:64],
+                error_message=f"part {idx} ({shards}): {message}"[:MAX_MESSAGE_CHARS],
+                stage=None,
+                stage_started_at=None,
+                finished_at=now,
+                updated_at=now,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if ok != 1:
+        session.rollback()
+        return False
+    _stop_siblings(session, job_id, attempt, now)
+    session.commit()
+    return True
+
+
+def cancel_fanout(session: Session, job_id: str, attempt: int) -> bool:
+    """A fanned-out job whose cancel was asked: cancelled, with every unfinished part. True
+    when the job is cancelled (now or before); False when it is not this attempt's to cancel."""
+    now = utcnow()
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.attempts != attempt:
+        session.rollback()
+        return False
+    if job.status == CANCELLED:
+        session.rollback()
+        return True
+    n = _rows(
+        session.execute(
+            update(Job)
+            .where(
+                Job.id == job_id,
+                Job.status == RUNNING,
+                Job.attempts == attempt,
+                Job.cancel_requested.is_(True),
+            )
+            .values(status=CANCELLED, finished_at=now, updated_at=now, stage=None)
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return False
+    _stop_siblings(session, job_id, attempt, now)
+    session.commit()
+    return True
+
+
+def release_lost_part(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    worker_id: str,
+    max_attempts: int,
+    reason: str,
+) -> str | None:
+    """The process running the part (owned by worker_id) is gone: the part goes back to
+    queued (its message comes back to the broker), or, once max_attempts claims were used,
+    the job fails with worker_lost. Returns the part's new state, None if it was not running
+    for that worker."""
+    part = session.get(JobPart, (job_id, idx), populate_existing=True)
+    if (
+        part is None
+        or part.job_attempt != attempt
+        or part.state != PART_RUNNING
+        or part.worker_id != worker_id
+    ):
+        session.rollback()
+        return None
+    if part.attempts >= max_attempts:
+        session.rollback()
+        msg = f"{reason} on attempt {part.attempts} of {max_attempts}; giving up"
+        return (
+            PART_FAILED
+            if fail_part(session, job_id, attempt, idx, worker_id, WORKER_LOST, msg)
+            else None
+        )
+    n = _rows(
+        session.execute(
+            update(JobPart)
+            .where(
+                *_part(job_id, attempt, idx),
+                JobPart.state == PART_RUNNING,
+                JobPart.worker_id == worker_id,
+            )
+            .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return None
+    session.commit()
+    return PART_QUEUED
+
+
+# ---------------------------------------------------------------- the assembler
+
+
+def claim_assembly(session: Session, job_id: str, attempt: int, worker_id: str) -> bool:
+    """Every part of this attempt done, the job still running it at stage quantizing, no
+    cancel: the job's stage becomes packaging, owned by worker_id (one assembler wins)."""
+    now = utcnow()
+    not_done = exists().where(
+        JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.state != PART_DONE
+    )
+    any_part = exists().where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+    n = _rows(
+        session.execute(
+            update(Job)
+            .where(*_job_live(job_id, attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part)
+            .values(
+                stage="packaging",
+                stage_started_at=now,
+                progress_done=0,
+                progress_total=1,
+                worker_id=worker_id,
+                heartbeat_at=now,
+                updated_at=now,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if n != 1:
+        session.rollback()
+        return False
+    session.commit()
+    return True
+
+
+def parts_of(session: Session, job_id: str, attempt: int) -> list[PartView]:
+    rows = session.scalars(
+        select(JobPart)
+        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+        .order_by(JobPart.idx)
+        .execution_options(populate_existing=True)
+    ).all()
+    out = [
+        PartView(
+            r.idx,
+            list(r.shards),
+            r.state,
+            r.worker_id,
+            r.attempts,
+            r.seconds,
+            r.output_uri,
+            r.finished_at,
+            dict(r.engine_config),
+        )
+        for r in rows
+    ]
+    session.rollback()
+    return out
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+@dataclass
+class PartSweep:
+    requeued: list[tuple[str, int, int]]  # (job, attempt, part) back to queued, to send
+    failed: list[str]  # jobs failed (worker_lost after max_attempts)
+    unsent: list[tuple[str, int, int]]  # queued parts never sent
+    assemble: list[tuple[str, int]]  # (job, attempt) whose parts are all done (or cancelled)
+    assembly_reset: list[str]  # jobs whose assembler stopped beating
+
+
+def sweep_parts(
+    session: Session,
+    now: datetime,
+    heartbeat_timeout_s: float,
+    max_attempts: int,
+    barrier_grace_s: float,
+) -> PartSweep:
+    """1. running parts whose heartbeat stopped: back to queued (or the job fails with
+    worker_lost once max_attempts claims were used); 2. assemblies whose heartbeat stopped:
+    the job goes back to stage quantizing; 3. queued parts never sent; 4. the barrier: jobs
+    whose parts are all done for barrier_grace_s and no assembly claimed (the chord's message
+    lost with its host), and cancelled-while-waiting jobs, to send an assembly to."""
+    cutoff = now - timedelta(seconds=heartbeat_timeout_s)
+    out = PartSweep([], [], [], [], [])
+    stale = session.execute(
+        select(
+            JobPart.job_id, JobPart.job_attempt, JobPart.idx, JobPart.attempts, JobPart.worker_id
+        )
+        .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
+        .where(JobPart.state == PART_RUNNING, JobPart.heartbeat_at < cutoff, Job.status == RUNNING)
+    ).all()
+    session.rollback()
+    for job_id, attempt, idx, attempts, worker in stale:
+        if attempts >= max_attempts:
+            msg = (
+                f"the worker running part {idx} stopped sending heartbeats (none for "
+                f"{heartbeat_timeout_s:g}s) on attempt {attempts} of {max_attempts}; giving up"
+            )
+            if fail_part(session, job_id, attempt, idx, worker, WORKER_LOST, msg):
+                out.failed.append(job_id)
+            continue
+        n = _rows(
+            session.execute(
+                update(JobPart)
+                .where(
+                    *_part(job_id, attempt, idx),
+                    JobPart.state == PART_RUNNING,
+                    JobPart.heartbeat_at < cutoff,
+                )
+                .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=None)
+                .execution_options(synchronize_session=False)
+            )
+        )
+        if n == 1:
+            session.commit()
+            out.requeued.append((job_id, attempt, idx))
+        else:
+            session.rollback()
+    # Assemblies that stopped beating: their job's stage goes back, the barrier resends.
+    stuck = (
+        session.execute(
+            select(Job.id).where(
+                Job.status == RUNNING,
+                Job.stage.in_(ASSEMBLY_STAGES),
+                Job.heartbeat_at < cutoff,
+                fanned_out(),
+            )
+        )
+        .scalars()
+        .all()
+    )
+    for job_id in stuck:
+        n = _rows(
+            session.execute(
+                update(Job)
+                .where(
+                    Job.id == job_id,
+                    Job.status == RUNNING,
+                    Job.stage.in_(ASSEMBLY_STAGES),
+                    Job.heartbeat_at < cutoff,
+                )
+                .values(stage=FANOUT_STAGE, heartbeat_at=now, updated_at=now)
+                .execution_options(synchronize_session=False)
+            )
+        )
+        if n == 1:
+            session.commit()
+            out.assembly_reset.append(str(job_id))
+        else:
+            session.rollback()
+    out.unsent = [
+        (str(j), int(a), int(i))
+        for j, a, i in session.execute(
+            select(JobPart.job_id, JobPart.job_attempt, JobPart.idx)
+            .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
+            .where(
+                JobPart.state == PART_QUEUED, JobPart.enqueued_at.is_(None), Job.status == RUNNING
+            )
+        ).all()
+    ]
+    # The barrier.
+    grace = now - timedelta(seconds=barrier_grace_s)
+    open_parts = exists().where(
+        JobPart.job_id == Job.id,
+        JobPart.job_attempt == Job.attempts,
+        JobPart.state.in_((PART_QUEUED, PART_RUNNING)),
+    )
+    recent = exists().where(
+        JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts, JobPart.finished_at >= grace
+    )
+    ready = session.execute(
+        select(Job.id, Job.attempts).where(
+            Job.status == RUNNING,
+            Job.stage == FANOUT_STAGE,
+            fanned_out(),
+            ~open_parts,
+            ~recent,
+        )
+    ).all()
+    waiting_cancel = session.execute(
+        select(Job.id, Job.attempts).where(
+            Job.status == RUNNING, Job.cancel_requested.is_(True), fanned_out(), ~open_parts
+        )
+    ).all()
+    out.assemble = list(dict.fromkeys((str(j), int(a)) for j, a in [*ready, *waiting_cancel]))
+    session.rollback()
+    return out

@@ -1,0 +1,267 @@
+"""A sharded source fanned out into parts (worker.fanout, app.jobs.parts) against a real
+migrated SQLite database, real tiny checkpoints and the real engine; the tasks' functions are
+called directly (the dispatcher records what a chord would send)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.artifacts.store import uri_path
+from app.db.base import utcnow
+from app.db.models import Job, JobPart
+from app.jobs import parts as part_state
+from app.jobs import state
+from app.settings import Settings
+from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.planning.config import HiggsConfig
+from tests.fixtures import TINY_MODEL as MODEL
+from tests.fixtures import build_tiny_checkpoint, files_under
+from tests.worker.helpers import create_job, wait_until
+from worker.fanout import assemble, run_part
+from worker.runner import RunnerConfig, run_job
+from worker.sweep import sweep_fanout
+
+BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HIGGS_MODELS_DIR whose TINY_MODEL is saved in several shards."""
+    root = tmp_path_factory.mktemp("models-sharded")
+    build_tiny_checkpoint("llama", root / MODEL, max_shard_size="60KB")
+    assert len(list((root / MODEL).glob("model-*.safetensors"))) >= 3
+    return root
+
+
+class Dispatcher:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, list[int]]] = []
+
+    def __call__(self, job_id: str, attempt: int, idxs: list[int]) -> bool:
+        self.sent.append((job_id, attempt, list(idxs)))
+        return True
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in files_under(root)
+    }
+
+
+def published(sessions: sessionmaker[Session], job_id: str) -> dict[str, str]:
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        out = {}
+        for art in job.artifacts:
+            root = uri_path(art.uri)
+            for f in art.files:
+                assert hashlib.sha256((root / f.path).read_bytes()).hexdigest() == f.sha256
+                out[f"{art.format}/{f.path}"] = f.sha256
+        return out
+
+
+def rows(sessions: sessionmaker[Session], job_id: str) -> list[JobPart]:
+    with sessions() as s:
+        got = list(s.scalars(select(JobPart).where(JobPart.job_id == job_id).order_by(JobPart.idx)))
+        s.expunge_all()
+        return got
+
+
+def job_row(sessions: sessionmaker[Session], job_id: str) -> Job:
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        s.expunge(job)
+        return job
+
+
+def test_fanned_out_job_equals_a_single_run(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    runner_cfg: RunnerConfig,
+    models_dir: Path,
+    tmp_path: Path,
+) -> None:
+    job_id = create_job(sessions, settings, BODY)
+    d = Dispatcher()
+    out = run_job(sessions, job_id, runner_cfg, worker_id="coord", dispatch=d)
+    assert out.status == "fanned_out", out.detail
+    (jid, attempt, idxs) = d.sent[0]
+    assert jid == job_id and attempt == 1 and idxs == list(range(len(idxs))) and len(idxs) >= 3
+    parts = rows(sessions, job_id)
+    assert [p.state for p in parts] == ["queued"] * len(idxs)
+    assert all(p.enqueued_at is not None for p in parts)
+    job = job_row(sessions, job_id)
+    assert job.status == "running" and job.stage == "quantizing" and job.progress_total == 14
+
+    # An early assembly (a duplicate chord callback) does nothing.
+    assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="early").status == "skipped"
+    # Parts run in any order on any worker; duplicates and older attempts are no-ops.
+    for i in reversed(idxs):
+        assert run_part(sessions, job_id, attempt, i, runner_cfg, f"w{i % 2}").status == "succeeded"
+    assert run_part(sessions, job_id, attempt, 0, runner_cfg, "w9").status == "skipped"
+    assert run_part(sessions, job_id, attempt + 1, 0, runner_cfg, "w9").status == "skipped"
+    job = job_row(sessions, job_id)
+    assert (job.progress_done, job.progress_total) == (14, 14)
+    assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="asm").status == "succeeded"
+    assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="asm2").status == "skipped"
+
+    job = job_row(sessions, job_id)
+    assert job.status == "succeeded" and job.worker_id == "asm"
+    assert job.report is not None
+    listed = job.report["metrics"]["parts"]
+    assert [p["index"] for p in listed] == idxs
+    assert {p["worker_id"] for p in listed} == {"w0", "w1"}
+    assert all(p["seconds"] > 0 and p["attempts"] == 1 for p in listed)
+
+    # Every file equals what one in-process run of the same source writes.
+    single = tmp_path / "single"
+    quantize_checkpoint(models_dir / MODEL, single, _engine_cfg(job))
+    want = {k: v for k, v in digests(single).items() if k != "report.json"}
+    assert published(sessions, job_id) == want
+    assert "native/model.safetensors.index.json" in want
+    # Only the published attempt remains (no part outputs), nothing in staging.
+    assert [p.name for p in (settings.artifacts_path / job_id).iterdir()] == [
+        uri_path(job_row_artifact_uri(sessions, job_id)).parent.name
+    ]
+    assert files_under(settings.artifacts_path / ".staging") == []
+
+
+def _engine_cfg(job: Job) -> HiggsConfig:
+    from app.jobs.job_config import JobConfig
+
+    return JobConfig.load(job.config).higgs_config()
+
+
+def job_row_artifact_uri(sessions: sessionmaker[Session], job_id: str) -> str:
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job.artifacts[0].uri
+
+
+def _fanned(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> tuple[str, int, list[int]]:
+    job_id = create_job(sessions, settings, BODY)
+    d = Dispatcher()
+    assert (
+        run_job(sessions, job_id, runner_cfg, worker_id="coord", dispatch=d).status == "fanned_out"
+    )
+    return d.sent[0]
+
+
+def test_a_failing_part_fails_the_job_and_cancels_its_siblings(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig, models_dir: Path
+) -> None:
+    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    assert run_part(sessions, job_id, attempt, 0, runner_cfg, "w0").status == "succeeded"
+    # Part 1's shard is corrupt on its worker.
+    bad_models = settings.data_dir / "bad-models"
+    import shutil
+
+    shutil.copytree(models_dir, bad_models)
+    shard = rows(sessions, job_id)[1].shards[0]
+    (bad_models / MODEL / shard).write_bytes(b"\x00" * 16)
+    bad_cfg = dataclasses.replace(runner_cfg, models_dir=bad_models)
+    out = run_part(sessions, job_id, attempt, 1, bad_cfg, "w1")
+    assert out.status == "failed" and "corrupt_checkpoint" in out.detail
+    job = job_row(sessions, job_id)
+    assert job.status == "failed" and job.error_code == "corrupt_checkpoint"
+    assert job.error_message is not None and job.error_message.startswith(f"part 1 ({shard})")
+    states = [p.state for p in rows(sessions, job_id)]
+    assert states[:2] == ["done", "failed"] and set(states[2:]) == {"cancelled"}
+    assert run_part(sessions, job_id, attempt, 2, runner_cfg, "w2").status == "skipped"
+    assert assemble(sessions, job_id, attempt, runner_cfg, "asm").status == "skipped"
+    with sessions() as s:
+        assert s.get(Job, job_id).artifacts == []  # type: ignore[union-attr]
+    assert not (settings.artifacts_path / job_id).exists()  # part 0's output removed too
+
+
+def test_cancel_in_the_middle_of_a_fanout_publishes_nothing(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    assert run_part(sessions, job_id, attempt, 0, runner_cfg, "w0").status == "succeeded"
+    slow = dataclasses.replace(runner_cfg, debug_layer_delay_s=0.3, progress_min_interval_s=0.0)
+    result: list[str] = []
+    t = threading.Thread(
+        target=lambda: result.append(run_part(sessions, job_id, attempt, 1, slow, "w1").status)
+    )
+    t.start()
+    wait_until(lambda: rows(sessions, job_id)[1].progress_done >= 1, 60, "part 1 under way")
+    with sessions() as s:
+        state.request_cancel(s, job_id)
+    t.join(60)
+    assert result == ["cancelled"]
+    job = job_row(sessions, job_id)
+    assert job.status == "cancelled"
+    assert {p.state for p in rows(sessions, job_id)[1:]} == {"cancelled"}
+    assert run_part(sessions, job_id, attempt, 2, runner_cfg, "w2").status in (
+        "skipped",
+        "cancelled",
+    )
+    assert assemble(sessions, job_id, attempt, runner_cfg, "asm").status in ("skipped", "cancelled")
+    assert not (settings.artifacts_path / job_id).exists()
+    assert files_under(settings.artifacts_path / ".staging") == []
+
+
+def test_lost_part_is_requeued_and_the_sweep_is_the_barrier(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    # Part 0 claimed by a worker that then dies (no heartbeats).
+    with sessions() as s:
+        assert part_state.claim_part(s, job_id, attempt, 0, "dead") is not None
+    # A pool process that died: its main process releases the part at once.
+    with sessions() as s:
+        assert part_state.claim_part(s, job_id, attempt, 1, "pool:1") is not None
+    with sessions() as s:
+        assert (
+            part_state.release_lost_part(s, job_id, attempt, 1, "pool:1", 3, "killed") == "queued"
+        )
+    sent_parts: list[tuple[str, int, int]] = []
+    sent_asm: list[tuple[str, int]] = []
+
+    def send_part(j: str, a: int, i: int) -> bool:
+        sent_parts.append((j, a, i))
+        return True
+
+    def send_asm(j: str, a: int) -> bool:
+        sent_asm.append((j, a))
+        return True
+
+    def sweep_now() -> dict[str, list[str]]:
+        return sweep_fanout(sessions, settings, send_part, send_asm)
+
+    # The job itself is never judged stale while fanned out; its dead part is.
+    import time
+
+    time.sleep(settings.heartbeat_timeout_s + 0.2)
+    with sessions() as s:
+        stale = state.requeue_stale(s, utcnow(), settings.heartbeat_timeout_s, 3)
+    assert job_id not in stale.requeued
+    got = sweep_now()
+    assert f"{job_id}/0" in got["parts_requeued"] and (job_id, attempt, 0) in sent_parts
+    assert rows(sessions, job_id)[0].state == "queued"
+    assert rows(sessions, job_id)[1].attempts == 1
+    for i in idxs:
+        assert run_part(sessions, job_id, attempt, i, runner_cfg, f"w{i}").status == "succeeded"
+    assert [p.attempts for p in rows(sessions, job_id)[:2]] == [2, 2]
+    # No chord callback came (its host died): the sweep sends the assembly.
+    assert sent_asm == []
+    sweep_now()
+    assert sent_asm == [(job_id, attempt)]  # enqueue_grace_s = 0 in these settings
+    assert assemble(sessions, job_id, attempt, runner_cfg, "asm").status == "succeeded"
+    assert job_row(sessions, job_id).status == "succeeded"

@@ -1,0 +1,447 @@
+"""One job over many workers: a sharded source quantized part by part, then assembled.
+
+    run_job (the coordinator, worker.runner): claims the job, resolves the model (for a Hub
+        model only its shard index), and when the source has several shards records one
+        job_parts row per part (app.jobs.parts.fan_out) and dispatches a Celery chord:
+        group(run_part(job, attempt, i) for each part) | assemble(job, attempt)
+    run_part (any worker): claims its part (compare-and-set), fetches only its own shards,
+        quantizes them (higgs_engine.parts.quantize_part) with progress + heartbeats on the
+        part row (summed into the job's), uploads the part's output under the job's
+        parts-<attempt>/ prefix in the artifact store and marks the part done
+    assemble (the chord's callback, or the sweep's barrier when a host died and took the
+        chord's message with it): claims the assembly once every part is done, downloads the
+        parts, assembles the sharded artifacts (higgs_engine.parts.assemble_parts), publishes
+        them like any job (worker.runner.publish_result) and removes the parts' objects
+
+A part that fails for a reason other than a lost worker fails the job with its error and
+cancels its siblings; a cancel stops every part, publishes nothing and removes every part's
+output. A part whose process died goes back to the queue (bounded attempts) through the
+pool's WorkerLostError (worker.tasks.PartRequest) or the part sweep (app.jobs.parts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from app.artifacts.manifest import sha256_file
+from app.artifacts.store import (
+    ArtifactStore,
+    LocalStore,
+    StoreUnavailableError,
+    UploadFile,
+    join_uri,
+)
+from app.db.models import CANCELLED, RUNNING, Job
+from app.jobs import parts as part_state
+from higgs_engine.errors import CancelledError
+from higgs_engine.planning.config import HiggsConfig
+from worker.dbretry import DatabaseUnavailableError, retry_db
+from worker.messages import message_roots, public_message
+from worker.runner import (
+    Attempt,
+    Outcome,
+    ProgressWriter,
+    RunnerConfig,
+    SessionFactory,
+    _Claimed,
+    _fail,
+    default_worker_id,
+    heartbeating,
+    job_error_code,
+    publish_result,
+    remove_tree,
+    staging_dir,
+)
+
+if TYPE_CHECKING:
+    from worker.models import ModelSource
+    from worker.runner import Dispatch
+
+log = logging.getLogger("worker.fanout")
+
+PART_META = "part.json"
+
+
+def part_store(cfg: RunnerConfig) -> ArtifactStore:
+    return cfg.store if cfg.store is not None else LocalStore(cfg.artifacts_dir)
+
+
+def parts_uri(store: ArtifactStore, job_id: str, attempt: int) -> str:
+    """Where the parts of one attempt put their output (under the job's prefix: removed with
+    the job's other leftovers, never named by an artifact row)."""
+    return store.attempt_uri(job_id, f"parts-{attempt}")
+
+
+def part_uri(store: ArtifactStore, job_id: str, attempt: int, idx: int) -> str:
+    return join_uri(parts_uri(store, job_id, attempt), f"part-{idx:05d}")
+
+
+def part_files(formats: list[str]) -> list[str]:
+    return [PART_META, *(f"{fmt}/model.safetensors" for fmt in formats)]
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+def start_fanout(
+    attempt: Attempt, source: ModelSource, engine_cfg: HiggsConfig, dispatch: Dispatch
+) -> bool:
+    """Fan the claimed job out when its source has several shards: parts recorded, chord
+    dispatched. False when the source is not sharded (the job runs here as usual)."""
+    from higgs_engine.parts import planned_layers, source_parts
+    from higgs_engine.safetensors_stream import read_weight_map
+
+    weight_map = read_weight_map(source.path)
+    if weight_map is None or len(set(weight_map.values())) < 2:
+        return False
+    parts = source_parts(source.path)
+    totals = planned_layers(source.path, parts, engine_cfg)
+    specs = [part_state.PartSpec(p.index, p.shards, totals[p.index]) for p in parts]
+    job_id, attempt_no = attempt.job_id, attempt.claimed.attempt
+
+    def record() -> bool:
+        with attempt.sessions() as s:
+            return part_state.fan_out(
+                s, job_id, attempt.worker_id, attempt_no, specs, engine_cfg.to_dict()
+            )
+
+    if not retry_db(record, f"fan-out of job {job_id}", attempt.cfg.db_retry_s):
+        raise CancelledError("the job stopped before its parts were recorded")
+    idxs = [p.idx for p in specs]
+    if dispatch(job_id, attempt_no, idxs):
+        with attempt.sessions() as s:
+            part_state.mark_parts_enqueued(s, job_id, attempt_no, idxs)
+    else:
+        log.warning("job %s: parts not sent (broker away); the sweep sends them", job_id)
+    log.info("job %s: fanned out into %d parts (attempt %d)", job_id, len(specs), attempt_no)
+    return True
+
+
+# ---------------------------------------------------------------- a part
+
+
+class PartProgress(ProgressWriter):
+    """The engine's progress callback for one part: the part row's progress and heartbeat,
+    summed into the job's; False once the part should stop."""
+
+    def __init__(
+        self,
+        sessions: SessionFactory,
+        job_id: str,
+        attempt: int,
+        idx: int,
+        worker_id: str,
+        cfg: RunnerConfig,
+    ) -> None:
+        super().__init__(
+            sessions,
+            job_id,
+            worker_id,
+            min_interval=cfg.progress_min_interval_s,
+            layer_delay=cfg.debug_layer_delay_s,
+            db_retry_s=cfg.db_retry_s,
+        )
+        self.attempt = attempt
+        self.idx = idx
+
+    def _record(self, done: int | None, total: int | None) -> bool:
+        def once() -> bool:
+            with self.sessions() as s:
+                return part_state.record_part_progress(
+                    s, self.job_id, self.attempt, self.idx, self.worker_id, done, total
+                )
+
+        with self._lock:
+            go = retry_db(once, f"progress of job {self.job_id} part {self.idx}", self.db_retry_s)
+        if not go:
+            self.stop.set()
+        return go
+
+    def write(self, stage: str, done: int, total: int) -> bool:
+        go = self._record(done, total) if stage == "quantizing" else self._record(None, None)
+        self._last_write = self.clock()
+        return go
+
+    def beat(self) -> None:
+        self._record(None, None)
+
+
+def _snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
+    with sessions() as s:
+        job = s.get(Job, job_id, populate_existing=True)
+        if job is not None:
+            s.expunge(job)
+        return job
+
+
+def _cancel_if_asked(
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+) -> bool:
+    """When the job's cancel was asked: cancel it with its parts and remove every part's
+    output. True when the job is (now) cancelled."""
+    job = _snapshot(sessions, job_id)
+    if job is None or job.attempts != attempt:
+        return False
+    if job.status == RUNNING and job.cancel_requested:
+        with sessions() as s:
+            part_state.cancel_fanout(s, job_id, attempt)
+        job = _snapshot(sessions, job_id)
+    if job is not None and job.status == CANCELLED:
+        _remove_parts(store, job_id, attempt)
+        return True
+    return False
+
+
+def _remove_parts(store: ArtifactStore, job_id: str, attempt: int) -> None:
+    """A fanned-out job that stopped without success: every object of it goes (its parts'
+    outputs, open multipart uploads); nothing of it was published."""
+    try:
+        store.clear_job(job_id, keep=None)
+    except StoreUnavailableError as e:  # the next attempt or the job's success clears them
+        log.warning("job %s: parts' objects not removed: %s", job_id, e)
+
+
+def run_part(
+    sessions: SessionFactory,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    cfg: RunnerConfig,
+    worker_id: str | None = None,
+) -> Outcome:
+    """One attempt at one part. Idempotent: a part that is not queued is left alone."""
+    from higgs_engine.parts import Part, quantize_part
+    from worker.models import resolve_model
+
+    worker_id = worker_id or default_worker_id()
+    store = part_store(cfg)
+
+    def claim() -> part_state.PartClaim | None:
+        with sessions() as s:
+            return part_state.claim_part(s, job_id, attempt, idx, worker_id)
+
+    try:
+        claimed = retry_db(claim, f"claim of job {job_id} part {idx}", cfg.db_retry_s)
+    except DatabaseUnavailableError as exc:
+        return Outcome("lost", str(exc))
+    if claimed is None:
+        if _cancel_if_asked(sessions, store, job_id, attempt):
+            return Outcome("cancelled", f"part {idx}: the job was cancelled")
+        return Outcome("skipped")
+    log.info(
+        "job %s part %d (%s): claimed by %s", job_id, idx, ", ".join(claimed.shards), worker_id
+    )
+    writer = PartProgress(sessions, job_id, attempt, idx, worker_id, cfg)
+    staging = staging_dir(cfg.artifacts_dir, f"{job_id}-part{idx}", attempt)
+    uri = part_uri(store, job_id, attempt, idx)
+    uploaded = False
+    t0 = time.perf_counter()
+    try:
+        with heartbeating(writer, cfg.heartbeat_interval_s):
+            engine_cfg = HiggsConfig.from_dict(claimed.engine_config)
+            requested = (claimed.request.get("model") or {}).get("revision")
+            source = resolve_model(
+                claimed.model_id,
+                claimed.model_revision or requested,
+                models_dir=cfg.models_dir,
+                token=cfg.hf_token,
+                offline=cfg.hf_offline,
+                shards=claimed.shards,
+            )
+            out = staging / "part"
+            staging.mkdir(parents=True, exist_ok=True)
+            quantize_part(
+                source.path, Part(idx, claimed.shards), out, engine_cfg, writer, device=cfg.device
+            )
+            if writer("uploading", 0, 1) is False:
+                raise CancelledError("cancelled before the part was uploaded")
+            files = [
+                UploadFile(p, out / p, sha256_file(out / p))
+                for p in part_files(list(engine_cfg.formats))
+            ]
+            uploaded = True
+            if not store.upload(uri, files, lambda: writer.stop.is_set()):
+                raise CancelledError("cancelled while uploading the part")
+            seconds = time.perf_counter() - t0
+
+            def finish() -> bool:
+                with sessions() as s:
+                    return part_state.finish_part(s, job_id, attempt, idx, worker_id, seconds, uri)
+
+            if not retry_db(finish, f"end of job {job_id} part {idx}", cfg.db_retry_s):
+                raise CancelledError("the job stopped while the part was uploaded")
+        log.info("job %s part %d: done in %.2f s", job_id, idx, seconds)
+        return Outcome("succeeded")
+    except DatabaseUnavailableError as exc:
+        log.error("job %s part %d: attempt abandoned: %s", job_id, idx, exc)
+        return Outcome("lost", str(exc))
+    except CancelledError as exc:
+        if uploaded:
+            with contextlib.suppress(Exception):
+                store.delete_tree(uri)
+        if _cancel_if_asked(sessions, store, job_id, attempt):
+            return Outcome("cancelled", str(exc))
+        return Outcome("lost", str(exc))
+    except StoreUnavailableError as exc:
+        # The part goes back to the queue unsent; the sweep sends it again.
+        log.error("job %s part %d: artifact store unavailable (%s)", job_id, idx, exc)
+        with sessions() as s:
+            part_state.release_lost_part(s, job_id, attempt, idx, worker_id, 10**9, str(exc))
+        return Outcome("storage_unavailable", str(exc))
+    except Exception as exc:
+        code = job_error_code(exc)
+        message = public_message(exc, message_roots(cfg))
+        log.warning("job %s part %d failed: %s: %s", job_id, idx, code, message)
+        if uploaded:
+            with contextlib.suppress(Exception):
+                store.delete_tree(uri)
+
+        def fail() -> bool:
+            with sessions() as s:
+                return part_state.fail_part(s, job_id, attempt, idx, worker_id, code, message)
+
+        if retry_db(fail, f"failure of job {job_id} part {idx}", cfg.db_retry_s):
+            _remove_parts(store, job_id, attempt)
+        return Outcome("failed", f"{code}: {message}")
+    finally:
+        remove_tree(staging)
+
+
+# ---------------------------------------------------------------- the assembly
+
+
+def assemble(
+    sessions: SessionFactory,
+    job_id: str,
+    attempt: int,
+    cfg: RunnerConfig,
+    worker_id: str | None = None,
+) -> Outcome:
+    """Assemble and publish a fanned-out job once every part is done (one assembler wins the
+    compare-and-set; a duplicate or early call is a no-op)."""
+    from higgs_engine.parts import assemble_parts
+    from higgs_engine.sources import ResolvedSource
+    from worker.models import resolve_model
+
+    worker_id = worker_id or default_worker_id()
+    store = part_store(cfg)
+
+    def claim() -> bool:
+        with sessions() as s:
+            return part_state.claim_assembly(s, job_id, attempt, worker_id)
+
+    try:
+        won = retry_db(claim, f"assembly of job {job_id}", cfg.db_retry_s)
+    except DatabaseUnavailableError as exc:
+        return Outcome("lost", str(exc))
+    if not won:
+        if _cancel_if_asked(sessions, store, job_id, attempt):
+            return Outcome("cancelled", "the job was cancelled")
+        return Outcome("skipped")
+    job = _snapshot(sessions, job_id)
+    if job is None:
+        return Outcome("lost", "the job row disappeared")
+    claimed = _Claimed(
+        job.model_id, dict(job.request), dict(job.config), job.model_revision, attempt
+    )
+    writer = ProgressWriter(
+        sessions,
+        job_id,
+        worker_id,
+        min_interval=cfg.progress_min_interval_s,
+        db_retry_s=cfg.db_retry_s,
+    )
+    staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
+    at = Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed)
+    t0 = time.perf_counter()
+    try:
+        with heartbeating(writer, cfg.heartbeat_interval_s):
+            with sessions() as s:
+                views = part_state.parts_of(s, job_id, attempt)
+            engine_cfg = HiggsConfig.from_dict(views[0].engine_config)
+            formats = list(engine_cfg.formats)
+            writer("packaging", 0, len(views) + 1)
+            dirs = []
+            for n, v in enumerate(views):
+                d = staging / "parts" / f"part-{v.idx:05d}"
+                _download(
+                    store, v.output_uri or part_uri(store, job_id, attempt, v.idx), formats, d
+                )
+                dirs.append(d)
+                writer("packaging", n + 1, len(views) + 1)
+            requested = (claimed.request.get("model") or {}).get("revision")
+            source = resolve_model(
+                claimed.model_id,
+                claimed.pinned or requested,
+                models_dir=cfg.models_dir,
+                token=cfg.hf_token,
+                offline=cfg.hf_offline,
+                shards=(),
+            )
+            out = staging / "out"
+            report = assemble_parts(
+                source.path,
+                dirs,
+                out,
+                engine_cfg,
+                resolved=ResolvedSource(source.path, source.id, source.revision, source.kind),  # type: ignore[arg-type]
+                move=True,
+                device=cfg.device,
+            )
+            report.metrics["parts"] = [
+                {
+                    "index": v.idx,
+                    "shards": v.shards,
+                    "worker_id": v.worker_id,
+                    "seconds": v.seconds,
+                    "attempts": v.attempts,
+                }
+                for v in views
+            ]
+            report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
+            report.metrics.setdefault("service", {}).update(
+                {"worker_id": worker_id, "assembly_wall_s": round(time.perf_counter() - t0, 4)}
+            )
+            report.save(out / "report.json")
+            # (publish_result removes the parts' outputs with the job's other leftovers)
+            publish_result(at, out, report, formats, source.revision)
+        log.info("job %s: assembled from %d parts by %s", job_id, len(views), worker_id)
+        return Outcome("succeeded")
+    except DatabaseUnavailableError as exc:
+        log.error("job %s: assembly abandoned: %s", job_id, exc)
+        return Outcome("lost", str(exc))
+    except CancelledError as exc:
+        job = _snapshot(sessions, job_id)
+        if job is not None and job.status == RUNNING and job.cancel_requested:
+            with sessions() as s:
+                from app.jobs import state
+
+                state.mark_cancelled(s, job_id, worker_id=worker_id)
+        _remove_parts(store, job_id, attempt)
+        return Outcome("cancelled", str(exc))
+    except StoreUnavailableError as exc:
+        # The job's stage goes back to the parts' once its heartbeat stops; the barrier
+        # sends the assembly again.
+        log.error("job %s: assembly: artifact store unavailable (%s)", job_id, exc)
+        return Outcome("storage_unavailable", str(exc))
+    except Exception as exc:
+        out_c = _fail(sessions, job_id, worker_id, cfg, exc)
+        _remove_parts(store, job_id, attempt)
+        return out_c
+    finally:
+        remove_tree(staging)
+
+
+def _download(store: ArtifactStore, uri: str, formats: list[str], dest: Path) -> None:
+    for rel in part_files(formats):
+        size = store.stat(uri, rel)
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            if size:
+                for chunk in store.open_range(uri, rel, 0, size):
+                    f.write(chunk)
