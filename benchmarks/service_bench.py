@@ -15,12 +15,19 @@ job's time goes.
    time per stage, and the service overhead = (finished_at - created_at) - the engine's own
    total time (report.json timings), as a share of the engine time (target < 10%).
 
+Load generator for part 1: wrk (native; `apt-get install wrk`) when it is on PATH, else a
+Python asyncio client (httpx), which on a small machine caps the figures itself; the JSON
+records which one ran. --client-cpus / --server-cpus pin wrk and the uvicorn processes to
+CPU sets (taskset lists) so that they do not compete for the same core.
+
 Everything runs as real processes (uvicorn, Celery worker) on this machine; the clients share
-its CPUs with the server, which caps the figures. Writes benchmarks/results/service.json + .md
-(--api-only: part 1 alone, to results/service_api.json + .md).
+it with the server. Writes benchmarks/results/service.json + .md (--api-only: part 1 alone, to
+results/service_api.json + .md; --stem names other files for a trial run).
 
 Usage: python benchmarks/service_bench.py [--duration 4] [--jobs 5] [--postgres-url URL]
-                                          [--skip-model] [--api-only]
+                                          [--skip-model] [--api-only] [--generator auto]
+                                          [--client-cpus 1] [--server-cpus 0]
+                                          [--clients 10,50,100,200] [--no-sqlite] [--stem S]
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +106,112 @@ def endpoints(job_id: str) -> list[tuple[str, str, str]]:
     ]
 
 
+# wrk's Lua hooks: the request (method, headers, body) and, when the run is done, one line of
+# JSON with the counts and latency percentiles (microseconds) from wrk's own histogram.
+WRK_LUA = """
+wrk.method = {method}
+wrk.headers["Authorization"] = {auth}
+{body}
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "WRK_JSON {{\\"requests\\": %d, \\"duration_us\\": %d, \\"connect\\": %d, \\"read\\": %d, " ..
+    "\\"write\\": %d, \\"status\\": %d, \\"timeout\\": %d, \\"p50_us\\": %d, \\"p99_us\\": %d, " ..
+    "\\"max_us\\": %d}}\\n",
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99), latency.max))
+end
+"""
+
+
+def _lua(key: str, method: str) -> str:
+    body = ""
+    if method == "POST":
+        body = (
+            f"wrk.body = {json.dumps(json.dumps(SUBMIT_BODY))}\n"
+            'wrk.headers["Content-Type"] = "application/json"'
+        )
+    return WRK_LUA.format(method=json.dumps(method), auth=json.dumps(f"Bearer {key}"), body=body)
+
+
+def _taskset(cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus] if cpus else []
+
+
+def _wrk(
+    url: str,
+    key: str,
+    method: str,
+    path: str,
+    clients: int,
+    duration: float,
+    cpus: str | None,
+    record: bool = True,
+) -> dict[str, Any]:
+    """One wrk run: `clients` connections, one wrk thread per CPU it may use (at most
+    `clients`), latency percentiles from wrk's own histogram (a Lua `done` hook prints them)."""
+    threads = max(1, min(clients, len(cpus.split(",")) if cpus else os.cpu_count() or 1))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as fh:
+        fh.write(_lua(key, method))
+        script = fh.name
+    try:
+        argv = [
+            *_taskset(cpus),
+            "wrk",
+            f"-t{threads}",
+            f"-c{clients}",
+            f"-d{max(1, round(duration))}s",
+            "--timeout",
+            "30s",
+            "--latency",
+            "-s",
+            script,
+            url + path,
+        ]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 120)
+    finally:
+        os.unlink(script)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stdout}\n{out.stderr}")
+    w = json.loads(line.removeprefix("WRK_JSON "))
+    wall = w["duration_us"] / 1e6
+    # Non-2xx/3xx answers are errors, not throughput; socket errors are counted by kind.
+    errors = {k: w[k] for k in ("status", "timeout", "connect", "read", "write") if w[k] and record}
+    if "status" in errors:
+        errors["non-2xx/3xx"] = errors.pop("status")
+    ok = w["requests"] - w["status"]
+    return {
+        "clients": clients,
+        "duration_s": round(wall, 3),
+        "requests": ok,
+        "errors": errors,
+        "throughput_rps": round(ok / wall, 1) if wall else 0.0,
+        "p50_ms": round(w["p50_us"] / 1000, 2),
+        "p99_ms": round(w["p99_us"] / 1000, 2),
+        "max_ms": round(w["max_us"] / 1000, 2),
+        "wrk_threads": threads,
+    }
+
+
+def load(
+    generator: str,
+    url: str,
+    key: str,
+    method: str,
+    path: str,
+    clients: int,
+    duration: float,
+    cpus: str | None,
+) -> dict[str, Any]:
+    """One row: a 1 s warm-up (every connection open, every worker's pools filled), then
+    `duration` seconds measured, with wrk or the Python asyncio client."""
+    if generator == "wrk":
+        _wrk(url, key, method, path, clients, 1.0, cpus, record=False)
+        return _wrk(url, key, method, path, clients, duration, cpus)
+    return asyncio.run(_load(url, key, method, path, clients, duration))
+
+
 async def _load(
     url: str, key: str, method: str, path: str, clients: int, duration: float
 ) -> dict[str, Any]:
@@ -148,7 +263,35 @@ async def _load(
     }
 
 
-def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, Any]:
+def pin_group(pgid: int, cpus: str) -> list[int]:
+    """Pin every process of process group `pgid` (uvicorn's supervisor and its workers) to
+    `cpus` ("0" or "0,1"); returns the pids pinned."""
+    allowed = {int(c) for c in cpus.split(",")}
+    pinned = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the command: state, ppid, pgrp
+            pid = int(stat.parent.name)
+            try:
+                os.sched_setaffinity(pid, allowed)
+            except OSError:
+                continue
+            pinned.append(pid)
+    return pinned
+
+
+def bench_api(
+    backend: str,
+    db_url: str | None,
+    duration: float,
+    generator: str = "python",
+    client_cpus: str | None = None,
+    server_cpus: str | None = None,
+    client_counts: tuple[int, ...] = CLIENT_COUNTS,
+) -> dict[str, Any]:
     """Every endpoint at every client count against one uvicorn (2 workers, uvloop + httptools:
     `higgs serve` and compose's settings), each row also as a fraction of the hello-world
     ceiling measured in the same run at the same client count."""
@@ -166,7 +309,9 @@ def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, An
     rows: list[dict[str, Any]] = []
     try:
         stack.migrate()
-        stack.start_api(workers=2, timeout=90)
+        api = stack.start_api(workers=2, timeout=90)
+        if server_cpus:
+            pin_group(api.popen.pid, server_cpus)  # spawned in its own session: pgid == pid
         key = stack.create_key("bench")
         r = httpx.post(
             stack.url + "/v1/jobs",
@@ -176,10 +321,10 @@ def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, An
         )
         r.raise_for_status()
         job_id = r.json()["id"]
-        for clients in CLIENT_COUNTS:
+        for clients in client_counts:
             ceiling: dict[str, Any] | None = None
             for name, method, path in endpoints(job_id):
-                res = asyncio.run(_load(stack.url, key, method, path, clients, duration))
+                res = load(generator, stack.url, key, method, path, clients, duration, client_cpus)
                 res.update({"backend": backend, "endpoint": name})
                 if ceiling is None:
                     ceiling = res
@@ -202,7 +347,14 @@ def bench_api(backend: str, db_url: str | None, duration: float) -> dict[str, An
                 )
     finally:
         stack.close()
-    return {"backend": backend, "uvicorn_workers": 2, "rows": rows}
+    return {
+        "backend": backend,
+        "uvicorn_workers": 2,
+        "generator": generator,
+        "client_cpus": client_cpus,
+        "server_cpus": server_cpus,
+        "rows": rows,
+    }
 
 
 def verdict(api: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,9 +488,9 @@ def _api_md(results: dict[str, Any]) -> list[str]:
         "## API throughput and latency against the hello-world ceiling",
         "",
         "uvicorn --workers 2 with uvloop + httptools (as `higgs serve` and compose run it); "
-        f"{results['duration_s']:g} s per row after a 1 s warm-up; one asyncio client process "
-        "on the same machine (it shares the CPUs with the servers and the database). "
-        "`of ceiling` = throughput / hello-world throughput at the same client count.",
+        f"{results['duration_s']:g} s per row after a 1 s warm-up. {_generator_md(results)} "
+        "`of ceiling` = throughput / hello-world throughput at the same client count; "
+        "errors are non-2xx answers and socket errors, not counted in req/s.",
         "",
         "| backend | clients | endpoint | req/s | of ceiling | p50 ms | p99 ms | errors |",
         "|---|---|---|---|---|---|---|---|",
@@ -365,6 +517,30 @@ def _api_md(results: dict[str, Any]) -> list[str]:
             f"{'met' if v['no_collapse_at_200'] else 'NOT met'}.",
         ]
     return lines
+
+
+def _generator_md(results: dict[str, Any]) -> str:
+    """Which load generator ran and what was pinned where."""
+    if results.get("generator", "python") == "python":
+        text = (
+            "Load generator: one Python asyncio client process (httpx) on the same machine; it "
+            "shares the CPUs with the servers and the database and caps what can be seen."
+        )
+    else:
+        text = (
+            "Load generator: wrk (native, latency percentiles from its own histogram via a Lua "
+            "`done` hook; POST bodies from a Lua script), on the same machine."
+        )
+    client = results.get("client_cpus")
+    server = results.get("server_cpus")
+    if client or server:
+        text += (
+            f" Pinned with taskset / sched_setaffinity: load generator on CPU {client or 'any'}, "
+            f"uvicorn processes on CPU {server or 'any'}; the database server unpinned."
+        )
+    else:
+        text += " Nothing pinned: generator, servers and database share every CPU."
+    return text
 
 
 def write(results: dict[str, Any], stem: str) -> None:
@@ -427,20 +603,63 @@ def main() -> int:
         action="store_true",
         help="only the API table (written to results/service_api.*)",
     )
+    ap.add_argument(
+        "--generator",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="load generator: wrk (native, when on PATH: auto) or the Python asyncio client",
+    )
+    ap.add_argument(
+        "--client-cpus", help="pin wrk to these CPUs (taskset list, e.g. 1); default unpinned"
+    )
+    ap.add_argument(
+        "--server-cpus",
+        help="pin the uvicorn processes to these CPUs (e.g. 0); default unpinned",
+    )
+    ap.add_argument(
+        "--clients",
+        default=",".join(map(str, CLIENT_COUNTS)),
+        help="client counts, comma-separated (default %(default)s)",
+    )
+    ap.add_argument(
+        "--sqlite", action=argparse.BooleanOptionalAction, default=True, help="the SQLite rows"
+    )
+    ap.add_argument(
+        "--stem", help="results file name (default: service, or service_api with --api-only)"
+    )
     args = ap.parse_args()
+    generator = args.generator
+    if generator == "auto":
+        generator = "wrk" if shutil.which("wrk") else "python"
+    elif generator == "wrk" and not shutil.which("wrk"):
+        ap.error("--generator wrk: wrk is not on PATH (Debian: apt-get install wrk)")
+    if generator == "python" and args.client_cpus:
+        ap.error("--client-cpus pins wrk; the Python client runs in this process")
+    try:
+        counts = tuple(int(c) for c in args.clients.split(","))
+    except ValueError:
+        ap.error(f"--clients {args.clients!r}: give client counts like 10,50")
+    pins = {
+        "client_counts": counts,
+        "generator": generator,
+        "client_cpus": args.client_cpus,
+        "server_cpus": args.server_cpus,
+    }
 
     results: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         # Other work on the machine caps every figure: the 1-minute load at start and end.
         "load_average_start": round(os.getloadavg()[0], 2),
         "duration_s": args.duration,
+        **pins,
         "api": [],
     }
-    results["api"].append(bench_api("sqlite", None, args.duration))
+    if args.sqlite:
+        results["api"].append(bench_api("sqlite", None, args.duration, **pins))
     if args.postgres_url:
         url, drop = scratch_postgres(args.postgres_url, "higgs_bench")
         try:
-            results["api"].append(bench_api("postgresql", url, args.duration))
+            results["api"].append(bench_api("postgresql", url, args.duration, **pins))
         finally:
             drop()
     else:
@@ -451,7 +670,7 @@ def main() -> int:
     if not args.api_only:
         results["jobs"] = bench_jobs(args.jobs, not args.skip_model)
     results["load_average_end"] = round(os.getloadavg()[0], 2)
-    write(results, "service_api" if args.api_only else "service")
+    write(results, args.stem or ("service_api" if args.api_only else "service"))
     return 0
 
 
