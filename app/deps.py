@@ -1,4 +1,4 @@
-"""FastAPI dependencies, injected through Annotated aliases (SettingsDep, SessionsDep,
+"""FastAPI dependencies, injected through Annotated aliases (SettingsDep, SessionsDep, ReadsDep,
 CurrentKey).
 
 No dependency holds a database session: a route opens one short session for its own work and
@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from app.db.session import Reads
 from app.errors import UnauthorizedError
 from app.keys.service import AuthKey, KeyCache
 from app.limits import RateLimiter
@@ -23,18 +24,26 @@ from app.settings import Settings
 _bearer = HTTPBearer(auto_error=False, description="an API key from `higgs keys create NAME`")
 
 
-def get_app_settings(request: Request) -> Settings:
+# The getters are `async def` although they do no I/O: FastAPI runs a plain `def` dependency
+# in the threadpool, one thread hop per dependency and request.
+async def get_app_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_sessions(request: Request) -> sessionmaker[Session]:
+async def get_sessions(request: Request) -> sessionmaker[Session]:
     sessions: sessionmaker[Session] = request.app.state.sessions
     return sessions
 
 
+async def get_reads(request: Request) -> Reads:
+    reads: Reads = request.app.state.reads
+    return reads
+
+
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
+ReadsDep = Annotated[Reads, Depends(get_reads)]
 
 
 def bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:

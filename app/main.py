@@ -24,7 +24,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.artifacts.routes import router as artifacts_router
 from app.calibrations.routes import router as calibrations_router
-from app.db.session import create_db_engine, normalise_url, session_factory
+from app.db.session import (
+    Reads,
+    create_db_engine,
+    normalise_url,
+    ping_when_idle,
+    session_factory,
+)
 from app.errors import (
     PROBLEM_JSON,
     AppError,
@@ -303,8 +309,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "pool_size": settings.db_pool_size,
             "max_overflow": settings.db_max_overflow,
             "pool_timeout": settings.db_pool_timeout_s,
+            "pool_pre_ping": False,  # ping_when_idle below
         }
     engine = create_db_engine(settings.database_url, **pool)
+    if pool:
+        ping_when_idle(engine)
     sessions = session_factory(engine)
 
     @asynccontextmanager
@@ -324,6 +333,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.reads = Reads(engine)
     app.state.key_cache = KeyCache(sessions, settings.auth_cache_ttl_s)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     registry, latency = build_registry(sessions, settings)

@@ -10,12 +10,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 
 from app.artifacts.download import is_head
 from app.db.models import TERMINAL, Job
-from app.deps import CurrentKey, SessionsDep, SettingsDep
+from app.deps import CurrentKey, ReadsDep, SessionsDep, SettingsDep
 from app.errors import UnauthorizedError
 from app.jobs import repository, service, state
 from app.jobs.local_models import Registry, stale_after_s
@@ -27,6 +28,20 @@ from app.queue import enqueue_job
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 ONE_JOB = problems(*AUTHENTICATED, 404)
+
+
+def json_model(
+    model: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """`model` rendered as JSON here, for the hot routes (the route keeps response_model for
+    the OpenAPI document). A sync route that returns the model itself has FastAPI validate it
+    again against response_model, in a second threadpool hop per request."""
+    return Response(
+        model.model_dump_json(),
+        status_code=status_code,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 @router.post(
@@ -41,7 +56,6 @@ ONE_JOB = problems(*AUTHENTICATED, 404)
 )
 def submit_job(
     body: JobCreate,
-    response: Response,
     sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
@@ -53,7 +67,7 @@ def submit_job(
             json_schema_extra={"pattern": r"^[\x21-\x7e]{1,255}$"},
         ),
     ] = None,
-) -> JobOut:
+) -> Response:
     registry = Registry(sessions, stale_after_s(settings))
     spec = service.validate_request(body, settings, registry)
     with sessions() as session:
@@ -65,6 +79,7 @@ def submit_job(
             service.check_idempotency_key(idempotency_key),
             max_active=settings.max_active_jobs_per_key,
         )
+    headers = {"Location": service.job_url(job.id)}
     if created:
         # After commit: the row is the source of truth; if the broker is down the sweep
         # re-sends the job later (enqueued_at stays NULL).
@@ -72,9 +87,8 @@ def submit_job(
             with sessions() as session:
                 state.mark_enqueued(session, job.id)
     else:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = service.job_url(job.id)
-    return service.job_view(job)
+        headers["Idempotent-Replayed"] = "true"
+    return json_model(service.job_view(job), 202, headers)
 
 
 @router.get(
@@ -84,7 +98,7 @@ def submit_job(
     summary="List the caller's jobs",
 )
 def list_jobs(
-    sessions: SessionsDep,
+    reads: ReadsDep,
     settings: SettingsDep,
     key: CurrentKey,
     status: Annotated[Status | None, Query(description="only jobs with this status")] = None,
@@ -97,26 +111,25 @@ def list_jobs(
             pattern=r"^[A-Za-z0-9_\-]+$",
         ),
     ] = None,
-) -> JobPage:
-    with sessions() as session:
-        rows, cursor = service.list_jobs(
-            session,
+) -> Response:
+    rows, cursor = reads.run(
+        lambda conn: service.list_jobs(
+            conn,
             key,
             status=status,
             limit=limit,
             after=after,
             max_limit=settings.page_limit_max,
         )
-    return JobPage(
-        data=[service.job_view(j) for j in rows], has_more=cursor is not None, next=cursor
+    )
+    return json_model(
+        JobPage(data=[service.job_view(j) for j in rows], has_more=cursor is not None, next=cursor)
     )
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ONE_JOB, summary="One job")
-def get_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
-    with sessions() as session:
-        job = service.get_job(session, key, job_id)
-    return service.job_view(job)
+def get_job(job_id: str, reads: ReadsDep, key: CurrentKey) -> Response:
+    return json_model(service.job_view(reads.run(lambda conn: service.read_job(conn, key, job_id))))
 
 
 @router.post(

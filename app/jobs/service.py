@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -260,7 +261,15 @@ def get_job(session: Session, key: AuthKey, job_id: str) -> Job:
     return job
 
 
-def encode_cursor(job: Job) -> str:
+def read_job(conn: Connection, key: AuthKey, job_id: str) -> repository.JobRecord:
+    """get_job for the view alone: one statement on an autocommit connection (Reads)."""
+    job = repository.read_owned(conn, key.id, job_id)
+    if job is None:
+        raise state.JobNotFoundError(job_id)
+    return job
+
+
+def encode_cursor(job: Job | repository.JobRecord) -> str:
     raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
@@ -280,14 +289,14 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def list_jobs(
-    session: Session,
+    conn: Connection,
     key: AuthKey,
     *,
     status: str | None,
     limit: int,
     after: str | None,
     max_limit: int,
-) -> tuple[list[Job], str | None]:
+) -> tuple[list[repository.JobRecord], str | None]:
     if status is not None and status not in STATUSES:
         raise ValidationFailedError.field(
             "status", f"status={status!r} must be one of {', '.join(STATUSES)}"
@@ -296,8 +305,8 @@ def list_jobs(
         raise ValidationFailedError.field(
             "limit", f"limit={limit} must be between 1 and {max_limit}"
         )
-    rows = repository.page(
-        session, key.id, status=status, limit=limit, after=decode_cursor(after) if after else None
+    rows = repository.read_page(
+        conn, key.id, status=status, limit=limit, after=decode_cursor(after) if after else None
     )
     has_more = len(rows) > limit
     rows = rows[:limit]
@@ -328,7 +337,7 @@ def job_url(job_id: str) -> str:
     return f"/v1/jobs/{job_id}"
 
 
-def job_view(job: Job) -> JobOut:
+def job_view(job: Job | repository.JobRecord) -> JobOut:
     total = job.progress_total
     failed = job.error_code is not None
     request = job.request or {}

@@ -108,9 +108,14 @@ class KeyCache:
     An entry (a valid key, or the reason a key is refused) lives `ttl_s` seconds, so a
     revocation takes effect within ttl_s everywhere while a busy client costs no database
     round trip per request. Misses are looked up in one short transaction of their own (the
-    connection goes back to the pool before the request goes on). At most `max_entries`
-    entries: when full, the expired ones go, then everything (garbage keys cannot grow it).
+    connection goes back to the pool before the request goes on); concurrent misses of one
+    key wait for a single lookup (a lock per key digest, striped over `LOAD_LOCKS`), so an
+    expiring entry under load costs one query, not one per request in flight. At most
+    `max_entries` entries: when full, the expired ones go, then everything (garbage keys
+    cannot grow it).
     """
+
+    LOAD_LOCKS = 64
 
     def __init__(
         self, sessions: sessionmaker[Session], ttl_s: float, max_entries: int = 10_000
@@ -120,10 +125,13 @@ class KeyCache:
         self.max_entries = max_entries
         self._entries: dict[str, tuple[float, AuthKey | str]] = {}
         self._lock = threading.Lock()
+        self._load_locks = [threading.Lock() for _ in range(self.LOAD_LOCKS)]
 
     def cached(self, key: str) -> AuthKey | None:
         """The key from the cache (UnauthorizedError for a cached refusal); None on a miss."""
-        digest = hash_key(key)
+        return self._fresh(hash_key(key))
+
+    def _fresh(self, digest: str) -> AuthKey | None:
         with self._lock:
             hit = self._entries.get(digest)
         if hit is None or hit[0] <= time.monotonic():
@@ -133,8 +141,13 @@ class KeyCache:
         return hit[1]
 
     def load(self, key: str) -> AuthKey:
-        """Look the key up in the database (one short transaction) and cache the answer."""
+        """Look the key up in the database (one short transaction) and cache the answer; a
+        lookup of the same key that finished while this one waited for it is used instead."""
         digest = hash_key(key)
+        with self._load_locks[int(digest[:8], 16) % self.LOAD_LOCKS]:
+            return self._fresh(digest) or self._load(digest)
+
+    def _load(self, digest: str) -> AuthKey:
         with self.sessions() as session:
             row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
             result: AuthKey | str
