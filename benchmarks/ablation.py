@@ -20,6 +20,11 @@ Investigation columns (why HIGGS errors cost more than their t^2 predicts):
 Writes benchmarks/results/ablation_<model>.json and .md.
 
 Usage: python benchmarks/ablation.py [--model smollm2|minilm|all] [--windows 40]
+       python benchmarks/ablation.py --merge DIR [DIR ...] [--model smollm2]
+
+Variants are independent: several processes of this script may run disjoint `--only` lists at
+the same time into their own --out-dir; `--merge` then joins their rows into one result (only
+runs on the same data, whose base figures agree; the result says which runs it joined).
 """
 
 from __future__ import annotations
@@ -297,6 +302,14 @@ def to_markdown(p: dict[str, Any]) -> str:
     lines = [f"### Ablation of data-free HIGGS p=2 n=256: {p['model']} ({desc} of news text)", ""]
     if not p["complete"]:
         lines += ["**PARTIAL: the run was still going when this was written.**", ""]
+    if p.get("merged_runs"):
+        lines += [
+            f"Rows of {len(p['merged_runs'])} processes of this script that ran side by side on "
+            "the same windows (identical base figures), joined with --merge.",
+            "",
+        ]
+        if p.get("not_run"):
+            lines += ["Not run in this result: " + "; ".join(p["not_run"]) + ".", ""]
     lines += [markdown_table(p["rows"], cols), ""]
     if p["seed_summary"]:
         lines += ["Random signs, over seeds (mean, min..max, std):", ""]
@@ -315,6 +328,53 @@ def to_markdown(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(label: str, dirs: list[Path], out_dir: Path) -> dict[str, Any]:
+    """One result from the rows of runs on the same data (first run's row wins on a repeat)."""
+    runs = [json.loads((d / f"ablation_{label}.json").read_text()) for d in dirs]
+    first = runs[0]
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for r in runs:
+        if r["data"] != first["data"]:
+            raise SystemExit(
+                f"{label}: runs measured different data: {r['data']} vs {first['data']}"
+            )
+        base = [x for x in r["rows"] if x["method"] == "base"][0]
+        base0 = [x for x in first["rows"] if x["method"] == "base"][0]
+        if any(base[m] != base0[m] for m in first["metrics"]):
+            raise SystemExit(f"{label}: base figures differ between runs: {base} vs {base0}")
+        for row in r["rows"]:
+            if row["method"] not in seen:
+                seen.add(row["method"])
+                rows.append(row)
+    order = {v["name"]: i for i, v in enumerate(variants())}
+    rows.sort(
+        key=lambda x: (
+            x["method"] != "base",
+            x["method"] != "RTN-4 g128",
+            order.get(x["method"], -1),
+        )
+    )
+    p = {
+        **first,
+        "complete": True,  # every joined row is a finished measurement; not_run lists the rest
+        "not_run": [v["name"] for v in variants() if v["name"] not in seen],
+        "rows": rows,
+        "seed_summary": summarise(rows, first["metrics"]),
+        "wall_seconds": max(float(r["wall_seconds"]) for r in runs),
+        "merged_runs": [
+            {
+                "dir": str(d),
+                "rows": [x["method"] for x in r["rows"]],
+                "environment": r["environment"],
+            }
+            for d, r in zip(dirs, runs, strict=True)
+        ],
+    }
+    write_results(f"ablation_{label}", p, to_markdown(p), out_dir)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ablation of data-free HIGGS choices at 4 bits")
     ap.add_argument("--model", choices=["smollm2", "minilm", "all"], default="all")
@@ -330,7 +390,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--skip", nargs="*", help="skip variants whose name ends with one of these")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument(
+        "--merge", nargs="+", type=Path, metavar="DIR", help="join the rows of these runs' results"
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        for label in ("minilm", "smollm2"):
+            if args.model in (label, "all") and all(
+                (d / f"ablation_{label}.json").is_file() for d in args.merge
+            ):
+                print(to_markdown(merge(label, args.merge, args.out_dir)), flush=True)
+        return 0
     torch.set_num_threads(args.threads)
     ok, why = data_ready()
     if not ok:
