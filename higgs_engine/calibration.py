@@ -23,6 +23,7 @@ replaced by a pass-through, before any block is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -267,7 +268,12 @@ def _set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 class _Hessians:
-    """Forward hooks on a block's target linears: one accumulator per distinct input tensor."""
+    """Forward pre-hooks on a block's target linears: one accumulator per distinct input tensor.
+
+    The first window runs the whole block and records the order the targets are called in.
+    When every target is called exactly once, later windows stop the block (raise `_Stop`)
+    as soon as the last target's input is recorded: what the block computes after that (the
+    last linear itself, the residual add) never reaches a Hessian."""
 
     def __init__(self, specs: dict[str, LayerSpec]) -> None:
         from higgs_engine.gptq import HessianAccumulator
@@ -277,13 +283,22 @@ class _Hessians:
         self.acc: dict[str, HessianAccumulator] = {}
         self._call: dict[int, tuple[Any, str]] = {}
         self._make = HessianAccumulator
+        self._order: list[str] = []  # target calls of the first window
+        self._windows = 0
+        self.stop_after: str | None = None
 
     def new_window(self) -> None:
+        if self._windows == 1 and self.stop_after is None:
+            once = len(self._order) == len(set(self._order)) == len(self.specs)
+            self.stop_after = self._order[-1] if once else None
+        self._windows += 1
         self._call.clear()
 
     def hook(self, name: str) -> Callable[..., None]:
-        def fn(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        def fn(mod: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0]
+            if self._windows == 1:
+                self._order.append(name)
             if name not in self.leader:
                 hit = self._call.get(id(x))
                 if hit is not None and hit[0] is x:
@@ -295,6 +310,8 @@ class _Hessians:
             self._call.setdefault(id(x), (x, lead))
             if lead == name:
                 self.acc[name].add(x)
+            if name == self.stop_after:
+                raise _Stop
 
         return fn
 
@@ -373,14 +390,16 @@ def run_calibrated(
         targets = {n: s for n, s in by_name.items() if n.startswith(pre)}
         hes = _Hessians(targets)
         handles = [
-            block.get_submodule(n[len(pre) :]).register_forward_hook(hes.hook(n)) for n in targets
+            block.get_submodule(n[len(pre) :]).register_forward_pre_hook(hes.hook(n))
+            for n in targets
         ]
         try:
             with torch.no_grad():
                 for i, h in enumerate(hidden):
                     hes.new_window()
                     a, kw = block_args[i][k]
-                    block(h, *a, **kw)
+                    with contextlib.suppress(_Stop):  # raised once every input is recorded
+                        block(h, *a, **kw)
         finally:
             for hd in handles:
                 hd.remove()
@@ -401,6 +420,8 @@ def run_calibrated(
             done += len(group)
             report(progress, stage, done, total)
         del hes
+        if k == len(blocks) - 1:
+            hidden.clear()  # the last block's outputs feed no Hessian
         with torch.no_grad():
             for i, h in enumerate(hidden):
                 a, kw = block_args[i][k]

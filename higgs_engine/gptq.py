@@ -36,7 +36,7 @@ import torch
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
-from higgs_engine.nearest import nearest_points
+from higgs_engine.nearest import nearest_points, nearest_searcher
 from higgs_engine.packing import pack_codes
 from higgs_engine.quantize import (
     FP16_MAX,
@@ -66,7 +66,13 @@ DEFAULT_BLOCK = 128
 
 
 class HessianAccumulator:
-    """Running 2 X^T X / tokens of a layer input, float64, from batches (..., in)."""
+    """Running 2 X^T X / tokens of a layer input, float64, from batches (..., in).
+
+    X^T X is symmetric: each batch computes only its upper triangle, as row strips of
+    `STRIP` rows (about a quarter fewer multiply-adds than the full product at the widths of
+    small LLMs); `hessian()` mirrors it."""
+
+    STRIP = 256
 
     def __init__(self, in_features: int) -> None:
         self.in_features = in_features
@@ -80,14 +86,18 @@ class HessianAccumulator:
             )
         x2 = x.detach().reshape(-1, self.in_features).to(torch.float32)  # (tokens, in)
         # float32 product per batch (fast), float64 running sum (no drift over many batches).
-        self.sum += (x2.T @ x2).to(torch.float64)
+        n, b = self.in_features, self.STRIP
+        for i in range(0, n, b):
+            strip = x2[:, i : i + b].T @ x2[:, i:]  # rows i..i+b, columns i.. (upper part)
+            self.sum[i : i + b, i:] += strip.to(torch.float64)
         self.tokens += int(x2.shape[0])
 
     def hessian(self) -> torch.Tensor:
         """2 X^T X / tokens (in, in) float64; refuses an empty accumulator."""
         if self.tokens == 0:
             raise InvalidConfigError("no calibration inputs reached this layer")
-        return self.sum * (2.0 / self.tokens)
+        upper = torch.triu(self.sum)
+        return (upper + torch.triu(upper, 1).T) * (2.0 / self.tokens)
 
 
 def rotate_hessian(
@@ -122,16 +132,21 @@ def _prepare_hessian(hes: torch.Tensor, damp: float) -> torch.Tensor:
 
 def _inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """U upper triangular with U^T U = inverse(h), computed in `dtype` (float32 as GPTQ does:
-    the damping keeps it well conditioned; float64 for the tests)."""
+    the damping keeps it well conditioned; float64 for the tests).
+
+    One Cholesky factorisation and one triangular inverse: with J the order reversal and
+    J h J = L L^T, U = J L^{-1} J (upper, positive diagonal, and U^T U = J L^{-T} L^{-1} J =
+    inverse(h)), the unique factor GPTQ's cholesky(cholesky_inverse(cholesky(h))) computes
+    with two factorisations and an inverse."""
     h = h.to(dtype)
     try:
-        lower = torch.linalg.cholesky(h)
+        lower = torch.linalg.cholesky(h.flip(0, 1))
     except torch.linalg.LinAlgError as e:
         raise InvalidConfigError(
             f"the damped Hessian is not positive definite ({e}); raise damp"
         ) from e
-    hinv = torch.cholesky_inverse(lower)
-    return torch.linalg.cholesky(hinv, upper=True)
+    eye = torch.eye(h.shape[0], dtype=dtype)
+    return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -140,29 +155,60 @@ def _inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64)
 ColumnQuantizer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def _sweep(
-    W: torch.Tensor, U: torch.Tensor, p: int, block: int, quantize_cols: ColumnQuantizer
-) -> None:
-    """GPTQ sweep with lazy block updates over W (out, in) (modified in place); the quantized
-    values are whatever `quantize_cols` records."""
-    out_f, in_f = W.shape
-    # e = d U_SS^{-1} for every tuple S: the inverses of U's p x p diagonal blocks, at once.
+def _pair_inverses(U: torch.Tensor, p: int) -> torch.Tensor:
+    """The inverses (in / p, p, p) of U's p x p diagonal blocks (e = d U_SS^{-1} per tuple S)."""
+    in_f = U.shape[0]
     idx = torch.arange(0, in_f, p)
     diag = torch.stack([U[idx + a, idx + b] for a in range(p) for b in range(p)], 1)
-    uinv = torch.linalg.inv(diag.reshape(-1, p, p))  # (in / p, p, p)
+    return torch.linalg.inv(diag.reshape(-1, p, p))
+
+
+def _sweep_grid(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    p: int,
+    block: int,
+    inv_col: torch.Tensor,
+    search: Callable[[torch.Tensor], torch.Tensor],
+    grid: torch.Tensor,
+    s_col: torch.Tensor,
+) -> torch.Tensor:
+    """GPTQ sweep with lazy block updates over W (out, in) for a fixed grid (n, p) and fixed
+    per-column scales: tuple j of every row goes to the nearest grid point of
+    W[:, j:j+p] * inv_col[:, j:j+p] (`search`, `nearest_searcher`'s coordinate-major
+    interface), its value is grid[code] * s_col. Returns the codes (out, in / p) int64.
+
+    The sweep runs on the transposes (in, out), so a column tuple of every row is p
+    contiguous rows and every per-step operation is vectorised over the rows of W. Inside a
+    block of `block` columns a short loop (one tuple per step); the columns right of the
+    block receive the block's errors in one matmul. Slices are taken once per block."""
+    out_f, in_f = W.shape
+    uinv_t = _pair_inverses(U, p).transpose(1, 2).contiguous()  # e^T = U_SS^{-T} d^T
+    wt = W.T.contiguous()  # (in, out)
+    inv_t = inv_col.T.contiguous()
+    s_t = s_col.T.contiguous()
+    grid_t = grid.T.contiguous()  # (p, n)
+    codes_t = torch.empty(in_f // p, out_f, dtype=torch.int64)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
-        W1 = W[:, i1:i2].clone()  # (out, B)
-        Err = torch.empty_like(W1)  # (out, B)
-        U1 = U[i1:i2, i1:i2]
-        for j in range(0, i2 - i1, p):
-            w = W1[:, j : j + p]  # (out, p)
-            e = (w - quantize_cols(i1 + j, w)) @ uinv[(i1 + j) // p]
-            Err[:, j : j + p] = e
-            if j + p < i2 - i1:
-                W1[:, j + p :].sub_(e @ U1[j : j + p, j + p :])
+        steps = (i2 - i1) // p
+        w1 = wt[i1:i2]  # (B, out), a view: updated in place
+        err = torch.empty_like(w1)
+        u1t = U[i1:i2, i1:i2].T.contiguous()  # (B, B), lower
+        ws, errs = w1.split(p), err.split(p)
+        invs, scs = inv_t[i1:i2].split(p), s_t[i1:i2].split(p)
+        for t in range(steps):
+            w = ws[t]  # (p, out), sees the in-block updates
+            c = search(w * invs[t])  # (out,)
+            codes_t[i1 // p + t] = c
+            d = w - grid_t.index_select(1, c).mul_(scs[t])  # (p, out)
+            e = torch.mm(uinv_t[i1 // p + t], d, out=errs[t])
+            if t + 1 < steps:
+                j = t * p
+                w1[j + p :].addmm_(u1t[j + p :, j : j + p], e, alpha=-1.0)
         if i2 < in_f:
-            W[:, i2:].sub_(Err @ U[i1:i2, i2:])
+            wt[i2:].addmm_(U[i1:i2, i2:].T, err, alpha=-1.0)
+    return codes_t.T.contiguous()
 
 
 def _check_block(block: int, p: int) -> None:
@@ -324,16 +370,7 @@ def gptq_higgs_many(
     s_col = _column_scales(scales16, lens, dtype)  # (out, in)
     inv_col = torch.where(s_col > 0, 1.0 / s_col, torch.zeros_like(s_col))
     gd = g.to(dtype)
-    found: list[torch.Tensor] = []
-
-    def quantize_cols(j: int, w: torch.Tensor) -> torch.Tensor:
-        z = w * inv_col[:, j : j + p]  # (out, p)
-        c = nearest_points(z if dtype == torch.float32 else z.float(), g)  # (out,)
-        found.append(c)
-        return gd.index_select(0, c) * s_col[:, j : j + p]
-
-    _sweep(y.to(dtype), U, p, block, quantize_cols)
-    codes = torch.stack(found, 1)  # (out, in / p)
+    codes = _sweep_grid(y.to(dtype), U, p, block, inv_col, nearest_searcher(g), gd, s_col)
     Q = gd.index_select(0, codes.reshape(-1)).reshape(out_f, in_f) * s_col
     res = []
     r0 = 0
@@ -456,8 +493,8 @@ def gptq_rtn(
 def _sweep_with_writeback(
     W: torch.Tensor, U: torch.Tensor, block: int, quantize_cols: ColumnQuantizer
 ) -> torch.Tensor:
-    """`_sweep` for p = 1 whose column quantizer may read W's later columns of the current
-    block in their updated state (W1 is written back into W as the sweep goes)."""
+    """The GPTQ sweep for p = 1 with a column quantizer that may read W's later columns of the
+    current block in their updated state (W1 is written back into W as the sweep goes)."""
     out_f, in_f = W.shape
     Q = torch.empty_like(W)
     for i1 in range(0, in_f, block):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,6 +37,7 @@ __all__ = [
     "nearest_points_brute",
     "nearest_points_matmul",
     "nearest_points_reference",
+    "nearest_searcher",
 ]
 
 BRUTE_CHUNK_ELEMENTS = 1 << 22  # tuples x grid points per brute-force chunk
@@ -144,7 +146,10 @@ def _lookup_1d(key: bytes) -> Lookup1D:
 
 
 def _nearest_1d(z: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    lut = _lookup_1d(grid.to(torch.float32).contiguous().numpy().tobytes())
+    return _nearest_1d_lut(z, _lookup_1d(grid.to(torch.float32).contiguous().numpy().tobytes()))
+
+
+def _nearest_1d_lut(z: torch.Tensor, lut: Lookup1D) -> torch.Tensor:
     x = z.reshape(-1).to(torch.float32)
     f = (x - lut.lo).mul_(1.0 / lut.cell).clamp_(0, lut.cells - 1).to(torch.int64)  # (M,)
     t = torch.gather(lut.table, 0, f).to(torch.int64)
@@ -393,6 +398,73 @@ def _nearest_2d(z: torch.Tensor, lut: PointLookup) -> torch.Tensor:
             res[far] = nearest_points_brute(zs[far], lut.grid)
         t[sel] = res
     return t
+
+
+class PairSearch:
+    """`_nearest_2d` for many small batches of pairs given coordinate-major, zt (2, M) (the
+    GPTQ sweep: one column pair of every row per call), with few tensor operations per call
+    and every operation on contiguous rows of length M: every cell of the fine table points at
+    a candidate list, the unambiguous cells at a list repeating their one point, so every
+    tuple takes the same path. The candidate lists, their order and the float32 distances are
+    those of `_nearest_2d`: same result."""
+
+    def __init__(self, lut: PointLookup) -> None:
+        n = int(lut.grid.shape[0])
+        k = int(lut.candidates.shape[1])
+        single = torch.arange(n, dtype=torch.int64)[:, None].expand(n, k)
+        # (K, n + U): column r is candidate list r (the first n: the single points).
+        self.cands_t = torch.cat([single, lut.candidates]).T.contiguous()
+        t = lut.table.to(torch.int64)
+        self.table = torch.where(t >= 0, t, n - 1 - t).to(torch.int32)  # cell -> list
+        self.grid = lut.grid  # (n, 2) float32
+        self.gx, self.gy = lut.grid[:, 0].contiguous(), lut.grid[:, 1].contiguous()
+        self.k = k
+        self.lo = lut.lo
+        self.inv_cell = 1.0 / lut.cell
+        self.top = float(lut.cells - 1)
+        self.cells = float(lut.cells)
+        self.extent = lut.extent
+
+    def __call__(self, zt: torch.Tensor) -> torch.Tensor:
+        zt = zt.to(torch.float32)
+        x, y = zt[0], zt[1]  # (M,) each
+        # Same cell arithmetic as _nearest_2d (float32, flat index exact below 2^24).
+        u = (zt - self.lo).mul_(self.inv_cell).clamp_(0, self.top).trunc_()  # (2, M)
+        flat = torch.add(u[0], u[1], alpha=self.cells).to(torch.int64)  # iy * cells + ix
+        cand = self.cands_t.index_select(1, self.table.index_select(0, flat))  # (K, M)
+        flat_cand = cand.view(-1)
+        # dx^2 + dy^2 per candidate: the float32 sum of `_nearest_2d`'s .square().sum(-1).
+        dx = self.gx.index_select(0, flat_cand).view(self.k, -1).sub_(x)  # (K, M)
+        dy = self.gy.index_select(0, flat_cand).view(self.k, -1).sub_(y)
+        d = dx.square_().add_(dy.square_())
+        res = cand.gather(0, d.argmin(0, keepdim=True)).squeeze(0)  # first minimum, as argmin(1)
+        lo, hi = torch.aminmax(zt)
+        if -float(lo) >= self.extent or float(hi) >= self.extent:
+            far = (zt.abs().amax(0) >= self.extent).nonzero().squeeze(1)
+            res[far] = nearest_points_brute(zt[:, far].T, self.grid)
+        return res
+
+
+@lru_cache(maxsize=16)
+def _pair_search(digest: str, shape: tuple[int, int], data: bytes) -> PairSearch:
+    return PairSearch(_cached_lookup(digest, shape, data))
+
+
+def nearest_searcher(grid: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`nearest_points(zt.T, grid)` for CPU tuples given coordinate-major, zt (p, M), with
+    the grid's lookup tables prepared once: for callers that search many small batches
+    against one grid (the GPTQ sweep)."""
+    if grid.dim() != 2 or grid.shape[0] == 0:
+        raise InvalidConfigError(f"grid of shape {tuple(grid.shape)} must be (n, p), n >= 1")
+    g = grid.to(torch.float32).contiguous()
+    p = int(g.shape[1])
+    if p == 1:
+        lut1 = _lookup_1d(g.numpy().tobytes())
+        return lambda zt: _nearest_1d_lut(zt, lut1)
+    if p == 2 and g.shape[0] > 8:
+        data = g.numpy().tobytes()
+        return _pair_search(hashlib.sha1(data).hexdigest(), (g.shape[0], 2), data)
+    return lambda zt: nearest_points_brute(zt.T, g)
 
 
 SEARCH_METHODS = ("auto", "lookup", "matmul")

@@ -79,6 +79,34 @@ def test_pass_with_float_weights_sees_the_models_own_inputs(
         assert [len(c) for c in calls[:4]] == [3, 1, 2, 1]
 
 
+def test_pass_skips_work_that_feeds_no_hessian(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hessian pass stops each window after the block's last linear input is recorded
+    (after the first window), and the last block is not re-run: the down projections run
+    once per block in the Hessian pass and once per window in the re-runs of all blocks but
+    the last. (The Hessians themselves are checked by the test above.)"""
+    cfg = load_config(llama_ckpt)
+    windows = _windows(count=4)
+    blocks = int(cfg.num_hidden_layers)
+    down_calls: list[int] = []
+    forward = torch.nn.Linear.forward
+
+    def counting(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.in_features == int(cfg.intermediate_size):
+            down_calls.append(1)
+        return forward(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counting)
+    with CheckpointReader(llama_ckpt) as reader:
+        specs = layer_specs(cfg, reader.keys())
+        run_calibrated(
+            llama_ckpt, cfg, reader, specs, Calibration(windows, "x", "t"), lambda g, ws, h: ws
+        )
+    assert blocks >= 2
+    assert len(down_calls) == blocks + (blocks - 1) * windows.shape[0]
+
+
 def test_later_blocks_see_the_quantized_outputs(llama_ckpt: Path) -> None:
     """Block 1's Hessians come from block 0 run with ITS quantized weights."""
     cfg = load_config(llama_ckpt)

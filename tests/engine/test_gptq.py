@@ -10,6 +10,7 @@ from higgs_engine.baselines import rtn_quantize
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.gptq import (
     HessianAccumulator,
+    _inverse_cholesky_upper,
     gptq_higgs,
     gptq_higgs_many,
     gptq_higgs_reference,
@@ -17,7 +18,9 @@ from higgs_engine.gptq import (
     output_error,
     rotate_hessian,
 )
+from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate
+from higgs_engine.nearest import nearest_points, nearest_searcher
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix
 
 GRIDS = [(1, 16), (2, 256), (2, 64)]
@@ -58,6 +61,41 @@ def test_hessian_accumulator_is_2xtx_over_tokens() -> None:
         acc.add(torch.zeros(2, 9))
     with pytest.raises(InvalidConfigError, match="no calibration inputs"):
         HessianAccumulator(8).hessian()
+
+
+def test_hessian_strips_cover_the_whole_product() -> None:
+    """Widths above one strip (and not a multiple of it): the mirrored upper triangle is the
+    full symmetric 2 X^T X / tokens."""
+    x = torch.randn(200, 2 * HessianAccumulator.STRIP + 37, dtype=torch.float64)
+    acc = HessianAccumulator(x.shape[1])
+    for part in x.split(70):
+        acc.add(part.float())
+    h = acc.hessian()
+    torch.testing.assert_close(h, 2 * x.T @ x / 200, rtol=1e-4, atol=1e-4)
+    assert torch.equal(h, h.T)
+
+
+def test_inverse_cholesky_factor() -> None:
+    """U is upper triangular with a positive diagonal and U^T U = H^-1 (the factor GPTQ uses)."""
+    a = torch.randn(300, 90, dtype=torch.float64)
+    h = a.T @ a / 300 + 0.1 * torch.eye(90, dtype=torch.float64)
+    u = _inverse_cholesky_upper(h)
+    assert torch.equal(u, torch.triu(u)) and bool((torch.diagonal(u) > 0).all())
+    torch.testing.assert_close(u.T @ u, torch.linalg.inv(h))
+    torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True))
+
+
+@pytest.mark.parametrize("p,n", [(1, 16), (2, 256), (2, 64), (2, 8)])
+def test_prepared_searcher_equals_nearest_points(p: int, n: int) -> None:
+    """The sweep's searcher (tables prepared once) returns nearest_points' codes, including
+    tuples far outside the lookup tables."""
+    g = get_grid(p, n)
+    z = torch.randn(20000, p, generator=torch.Generator().manual_seed(n)) * 1.5
+    z[:40] *= 12.0
+    z[40 : 40 + min(n, 20)] = g[:20] + 1e-7  # (almost) on grid points
+    search = nearest_searcher(g)
+    for part in z.split(977):
+        assert torch.equal(search(part.T.contiguous()), nearest_points(part, g))
 
 
 def test_rotated_hessian_is_the_hessian_of_rotated_inputs() -> None:
