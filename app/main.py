@@ -6,6 +6,7 @@ RFC 9457 problem+json here and nowhere else.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -298,6 +299,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return problem_response(err, request.url.path)
 
 
+_frozen = threading.Event()
+
+
+def freeze_startup_objects() -> None:
+    """Everything built at start-up (routes, models, SQLAlchemy metadata) lives as long as the
+    process: frozen out of the cyclic garbage collector, the collections that request garbage
+    triggers no longer walk it (in benchmarks/service_bench.py: more GET job throughput and a
+    shorter p99 tail under load). Once per process: an API process builds one app; a process
+    that builds many (the tests) keeps only the first start-up's objects frozen."""
+    if not _frozen.is_set():
+        _frozen.set()
+        gc.collect()
+        gc.freeze()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the API for `settings` (default: from the environment). The database must have
     been migrated (`alembic upgrade head`, app.db.migrate.upgrade_database)."""
@@ -318,6 +334,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        freeze_startup_objects()
         yield
         engine.dispose()
 

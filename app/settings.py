@@ -70,9 +70,11 @@ class Settings(BaseSettings):
     # GET /metrics answers only `Authorization: Bearer <metrics_key>`; unset: /metrics is off.
     metrics_key: str | None = None
     # The API's connection pool (PostgreSQL): connections kept, extra ones allowed, and how
-    # long a request waits for one before a 503.
-    db_pool_size: int = Field(default=10, ge=1)
-    db_max_overflow: int = Field(default=20, ge=0)
+    # long a request waits for one before a 503. Per API process. An overflow connection is
+    # closed when it is returned, so a pool smaller than the requests in flight opens and
+    # closes a database connection (a server process) per request under load.
+    db_pool_size: int = Field(default=20, ge=1)
+    db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=10.0, gt=0)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
