@@ -303,6 +303,8 @@ def to_markdown(p: dict[str, Any]) -> str:
         (m, metric_cols[m]) for m in (["ppl", "kl"] if "ppl" in p["metrics"] else p["metrics"])
     ]
     cols += [("quant_seconds", "quant. s")]
+    if any("peak_rss_mib" in r for r in p["rows"]):  # results from before these were recorded
+        cols += [("quant_cpu_seconds", "quant. CPU s"), ("peak_rss_mib", "peak RSS MiB")]
     d = p["data"]
     desc = (
         f"{d['windows']} windows x {d['context']} tokens of news text"
@@ -344,6 +346,14 @@ def to_markdown(p: dict[str, Any]) -> str:
         f"Measured {env['date']}, torch {env['torch']}, {env['torch_threads']} threads, "
         f"load average at start {env['load_average_1_5_15']} (shared machine: seconds are noisy)."
     )
+    before = [r["rss_before_mib"] for r in p["rows"] if r.get("rss_before_mib")]
+    if before:
+        lines.append(
+            "Peak RSS: the benchmark process's peak while the method ran (VmHWM reset before "
+            f"each method), which includes the {min(before):.0f}-{max(before):.0f} MiB it "
+            "already held (model, evaluation data); benchmarks/calibrated_cost.py measures "
+            "data-free vs calibrated peaks in fresh processes."
+        )
     return "\n".join(lines)
 
 

@@ -254,6 +254,30 @@ class QuantStats:
     layers: int
     weights: int
     per_layer: list[dict[str, Any]] = field(default_factory=list)
+    cpu_seconds: float = 0.0  # process CPU time over the same calls (less sensitive to load)
+    peak_rss_mib: float | None = None  # the process's peak RSS while the method ran
+    rss_before_mib: float | None = None  # its RSS before (the model, the evaluation data)
+
+
+def _status_mib(field: str) -> float | None:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in MiB; None where there is none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux: /proc/self/clear_refs
+    "5"), so the next VmHWM read is the peak since now. False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 class SimulatedModel:
@@ -281,17 +305,20 @@ class SimulatedModel:
         bits_sum = err_sum = 0.0
         total = 0
         per_layer = []
-        elapsed = 0.0
+        elapsed = cpu = 0.0
+        rss_before = _status_mib("VmRSS")
+        peak_ok = reset_peak_rss()
         with torch.no_grad():
             for name, mod in self.layers:
                 w = self.originals[name]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if method.layer_fn is not None:
                     w_hat, bpw = method.layer_fn(name, w)
                 else:
                     assert method.fn is not None
                     w_hat, bpw = method.fn(w)
                 elapsed += time.perf_counter() - t0
+                cpu += time.process_time() - c0
                 w_hat = w_hat.to(ARTIFACT_DTYPE).to(torch.float32)
                 t2 = float(((w_hat - w).double().pow(2).sum() / w.double().pow(2).sum()).item())
                 n = w.numel()
@@ -304,7 +331,15 @@ class SimulatedModel:
                     )
                 mod.weight.copy_(w_hat.to(mod.weight.dtype))
         return QuantStats(
-            bits_sum / total, err_sum / total, elapsed, len(self.layers), total, per_layer
+            bits_sum / total,
+            err_sum / total,
+            elapsed,
+            len(self.layers),
+            total,
+            per_layer,
+            cpu,
+            _status_mib("VmHWM") if peak_ok else None,
+            rss_before,
         )
 
 
@@ -487,6 +522,9 @@ def run_methods(
             "bits": stats.bits,
             "rel_error": stats.rel_error,
             "quant_seconds": stats.seconds,
+            "quant_cpu_seconds": stats.cpu_seconds,
+            "peak_rss_mib": stats.peak_rss_mib,
+            "rss_before_mib": stats.rss_before_mib,
             "eval_seconds": eval_s,
             "layers": stats.layers,
             "weights": stats.weights,
