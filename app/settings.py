@@ -83,7 +83,8 @@ class Settings(BaseSettings):
     # Dynamic HIGGS: how a model's sensitivity profile is measured (higgs_engine.profile).
     # Data-free by default: KL from the base model on seeded random tokens, so a job needs no
     # text. Token budget = profile_windows * profile_context (tests keep it tiny).
-    profile_metric: Literal["kl", "ppl"] = "kl"
+    # "auto": kl for a causal LM, cos (1 - cos of mean-pooled embeddings) for an encoder.
+    profile_metric: Literal["auto", "kl", "ppl", "cos"] = "auto"
     profile_method: Literal["noise", "fisher"] = "fisher"
     # Token source without a text file: "self" (text the model generates, cached) or "random".
     profile_data_free: Literal["self", "random"] = "self"
@@ -196,7 +197,7 @@ class Settings(BaseSettings):
         if self.profile_metric == "ppl" and self.profile_text_file is None:
             raise ValueError(
                 "profile_metric='ppl' needs a calibration text: set HIGGS_PROFILE_TEXT_FILE "
-                "(or use the data-free default profile_metric='kl')"
+                "(or use the data-free default profile_metric='auto')"
             )
         return self
 

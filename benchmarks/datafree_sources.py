@@ -1,6 +1,6 @@
 """Which tokens should a data-free profile use? Random tokens vs self-generated text vs real text.
 
-One run on SmolLM2-135M: three Fisher profiles (KL metric, the engine's default profile
+--model smollm2 (default): one run on SmolLM2-135M, three Fisher profiles (KL metric, the engine's default profile
 settings: 4 windows x 512 tokens, 4 label draws per window) that differ only in their tokens:
 - random: seeded uniform random token ids (the old data-free default);
 - self: text the model generates itself (higgs_engine.selfgen, the new data-free default);
@@ -13,12 +13,25 @@ the measured one, and each profile's cost (generation included for "self").
 
 Writes benchmarks/results/datafree_sources.json and .md.
 
-    python benchmarks/datafree_sources.py [--eval-windows 8] [--threads 1]
+--model minilm: the same question for the all-MiniLM-L6-v2 sentence encoder, whose profiles use
+the "cos" metric (mean 1 - cos of the mean-pooled final hidden state, what the quality benchmark
+measures) and the engine's default encoder profile (Fisher method = Gauss-Newton estimate,
+16 x 128 tokens). An encoder cannot generate text, so its data-free source "self" resolves to
+random tokens framed by [CLS] ... [SEP] (docs/algorithm.md); the sources are random tokens and
+held-out news text (after the evaluation sentences), each with the default Fisher (Gauss-Newton)
+method and with noise injection. Each profile's
+allocations at 4.13 and 3.5 bits are evaluated on the same news sentences (1 - cos, predicted
+vs measured), beside uniform HIGGS p=2 n=256, NF4 b64 with double quantization and HQQ-4 g64.
+Writes benchmarks/results/datafree_sources_minilm.json and .md.
+
+    python benchmarks/datafree_sources.py [--model smollm2|minilm|all] [--eval-windows 8]
+        [--sentences 2000] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -33,11 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
 from devtools.quality import (  # noqa: E402
     ARTIFACT_DTYPE,
+    MINILM_DIR,
     NEWS_FILE,
     SMOLLM_DIR,
     CausalLMEval,
+    EmbeddingEval,
+    Method,
     SimulatedModel,
+    hqq_fn,
     load_causal_lm,
+    load_encoder,
+    news_sentences,
+    nf4_dq_fn,
+    run_methods,
 )
 from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
 from higgs_engine.planning.config import HiggsConfig  # noqa: E402
@@ -88,12 +109,20 @@ def quantize_alloc(
     return t2s, bits / sim.weights
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--model", choices=["smollm2", "minilm", "all"], default="smollm2")
+    ap.add_argument("--eval-windows", type=int, default=8, help="SmolLM2 evaluation windows")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--sentences", type=int, default=2000, help="MiniLM evaluation sentences")
+    ap.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=None,
+        help="MiniLM profiles' token budget (default: the engine's default profile's)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument(
@@ -102,8 +131,26 @@ def main() -> int:
         default=None,
         help="the engine's profile cache (shared with quality.py)",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only re-render the markdown of an earlier MiniLM run's JSON (measures nothing)",
+    )
+    args = ap.parse_args(argv)
+    if args.render:
+        res = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(minilm_markdown(res).rstrip() + "\n")
+        return 0
     torch.set_num_threads(args.threads)
+    if args.model in ("smollm2", "all"):
+        run_smollm2(args)
+    if args.model in ("minilm", "all"):
+        run_minilm(args)
+    return 0
+
+
+def run_smollm2(args: argparse.Namespace) -> None:
     env = environment()
     t_run = time.perf_counter()
     model, tok = load_causal_lm(SMOLLM_DIR)
@@ -210,7 +257,6 @@ def main() -> int:
     sim.restore()
     save()
     print(to_markdown(res))
-    return 0
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -269,6 +315,233 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"Measured {env['date']}, torch {env['torch']}, {env['torch_threads']} thread(s), load average at start "
         f"{env['load_average_1_5_15']}; {res.get('wall_seconds', 0):.0f} s (shared machine: seconds are noisy)."
     )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# MiniLM (an encoder: metric cos)
+# ---------------------------------------------------------------------------------------------
+
+# (label, token source, method, context): the engine's default encoder profile is "random" with
+# the Fisher (Gauss-Newton) method in windows of 128 tokens (planning.profile.ENCODER_CONTEXT;
+# longer windows are cut to it, so 512-token windows cannot be asked for here any more:
+# results/datafree_sources_minilm_windows.md is the run that compared 512 with 128).
+MINILM_PROFILES: tuple[tuple[str, str, str, int], ...] = (
+    ("random", "random", "fisher", 128),
+    ("real", "real", "fisher", 128),
+    ("random, noise injection", "random", "noise", 128),
+    ("real, noise injection", "real", "noise", 128),
+)
+
+
+def minilm_references() -> list[Method]:
+    """The fixed competitors of the dynamic targets, on the same sentences."""
+    from devtools.quality import higgs_default_fn
+
+    return [
+        Method("base", "base", {}),
+        Method("HIGGS default --bits 4", "higgs", *higgs_default_fn(4.0)),
+        Method("NF4 b64 dq", "nf4", {"block_size": 64, "double_quant": True}, nf4_dq_fn(64)),
+        Method("HQQ-4 g64", "hqq", {"bits": 4, "group_size": 64}, hqq_fn(4)),
+    ]
+
+
+def run_minilm(args: argparse.Namespace) -> None:
+    from higgs_engine.dynamic import get_profile, profile_config_for
+
+    env = environment()
+    t_run = time.perf_counter()
+    model, tok = load_encoder(MINILM_DIR)
+    text = NEWS_FILE.read_text(encoding="utf-8")
+    sents = news_sentences(text, args.sentences)
+    # held-out real text: everything after the last evaluation sentence
+    offset = text.find(sents[-1]) + len(sents[-1])
+    real_text = text[offset:]
+    ev = EmbeddingEval(tok, sents)
+    sim = SimulatedModel(model)
+    names = [n for n, _ in sim.layers]
+    hcfg = HiggsConfig()
+    default_cfg = profile_config_for(MINILM_DIR, DEFAULT_PROFILE)
+    tokens = args.profile_tokens or default_cfg.tokens
+    res: dict[str, Any] = {
+        "benchmark": "datafree_sources",
+        "model": "minilm",
+        "metric": "one_minus_cos",
+        "eval": {"text": "data/news.txt", "sentences": ev.count, "pooling": "mean, L2-normalised"},
+        "real_text": f"data/news.txt after character {offset} (the last evaluation sentence)",
+        "default_profile_config": default_cfg.to_dict(),
+        "profile_tokens": tokens,
+        "higgs_config": {k: v for k, v in hcfg.to_dict().items() if k != "overrides"},
+        "references": [],
+        "profiles": {},
+        "runs": [],
+        "environment": {"start": env},
+    }
+
+    def log(msg: str) -> None:
+        print(f"[minilm {time.perf_counter() - t_run:7.1f}s] {msg}", flush=True)
+
+    def save() -> None:
+        res["wall_seconds"] = time.perf_counter() - t_run
+        res["environment"]["end"] = environment()
+        write_results("datafree_sources_minilm", res, minilm_markdown(res), args.out_dir)
+
+    res["references"] = run_methods(sim, ev, minilm_references(), log=log)
+    save()
+    cache: dict[Any, Any] = {}
+    for label, source, method, context in MINILM_PROFILES:
+        sim.restore()
+        cfg = replace(
+            DEFAULT_PROFILE,
+            method=method,
+            context=context,
+            windows=max(1, tokens // context),
+            data_free="random",
+        )
+        t0 = time.perf_counter()
+        prof = get_profile(
+            MINILM_DIR,
+            cfg,
+            text=real_text if source == "real" else None,
+            cache_dir=args.profile_cache,
+        )
+        res["profiles"][label] = {
+            "calibration": prof.calibration,
+            "config": prof.config,
+            "seconds_this_run": time.perf_counter() - t0,
+            "profile_cost": prof.cost,
+            "base": prof.base,
+            "alphas": prof.alphas(),
+        }
+        log(f"profile {label}: cost {prof.cost}")
+        for budget in BUDGETS:
+            plan = plan_allocation(prof, hcfg, Target(avg_bits=budget), names=names)
+            grids = {
+                o.name: (None if o.p == 0 else (o.p, o.n)) for o in plan.allocation.overrides()
+            }
+            t2s, bits = quantize_alloc(sim, grids, hcfg, cache)
+            m = ev.evaluate(sim.model)
+            alphas = prof.alphas()
+            pred = math.fsum(max(0.0, alphas[n]) * t for n, t in t2s.items())
+            measured = m["one_minus_cos"]
+            res["runs"].append(
+                {
+                    "profile": label,
+                    "source": source,
+                    "method": method,
+                    "target_bits": budget,
+                    "bits": bits,
+                    "allocator_bits": plan.allocation.avg_bits,
+                    "one_minus_cos": measured,
+                    "predicted": pred,
+                    "predicted_over_measured": pred / measured if measured else None,
+                    "grids": {n: (list(g) if g else None) for n, g in grids.items()},
+                }
+            )
+            log(f"{label} @{budget}: bits {bits:.4f} 1-cos {measured:.5f} predicted {pred:.5f}")
+            save()
+    sim.restore()
+    save()
+    print(minilm_markdown(res))
+
+
+def minilm_markdown(res: dict[str, Any]) -> str:
+    e = res["eval"]
+    d = res["default_profile_config"]
+    lines = [
+        "### Data-free profile sources on all-MiniLM-L6-v2 (an encoder: metric 1 - cos)",
+        "",
+        f"Profiles of the metric 1 - cos (mean-pooled final hidden state) with {res['profile_tokens']} "
+        f"tokens each; the engine's default for an encoder is method {d['method']} (Gauss-Newton), "
+        f"{d['windows']} x {d['context']} tokens of {d['data_free']} tokens framed by [CLS] ... [SEP] "
+        "(an encoder cannot generate text, so data_free 'self' resolves to random tokens). "
+        f"'real' is {res['real_text']}. Each allocation is evaluated on the same {e['sentences']} "
+        "news sentences (mean 1 - cos between base and quantized embeddings). HIGGS settings: "
+        f"sign_seed {res['higgs_config']['sign_seed']}, scale rule {res['higgs_config']['scale_rule']}, "
+        f"block {res['higgs_config']['rotation_block']}.",
+        "",
+        "References on the same sentences:",
+        "",
+        markdown_table(
+            res["references"],
+            [("method", "method"), ("bits", "bits/weight"), ("one_minus_cos", "1 - cos")],
+        ),
+        "",
+        "Dynamic HIGGS from each profile:",
+        "",
+        markdown_table(
+            res["runs"],
+            [
+                ("profile", "profile"),
+                ("target_bits", "target bits"),
+                ("bits", "bits/weight"),
+                ("one_minus_cos", "1 - cos"),
+                ("predicted", "predicted 1 - cos"),
+                ("predicted_over_measured", "predicted / measured"),
+            ],
+        ),
+        "",
+    ]
+    prow = [
+        {
+            "profile": k,
+            "calibration": v["calibration"],
+            "windows": f"{v['config']['windows']} x {v['config']['context']}",
+            "secs": v["profile_cost"].get("seconds"),
+            "fw": v["profile_cost"].get("forward_passes"),
+            "bw": v["profile_cost"].get("backward_passes"),
+        }
+        for k, v in res["profiles"].items()
+    ]
+    lines += [
+        markdown_table(
+            prow,
+            [
+                ("profile", "profile"),
+                ("calibration", "calibration id"),
+                ("windows", "windows x tokens"),
+                ("secs", "profile s"),
+                ("fw", "forward passes"),
+                ("bw", "backward passes"),
+            ],
+        ),
+        "",
+    ]
+    refs = {r["method"]: r for r in res["references"]}
+    # the default: the default config's measurement on random tokens (no text)
+    default = next(
+        (
+            k
+            for k, v in res["profiles"].items()
+            if v["config"] == d and str(v["calibration"]).startswith("random:")
+        ),
+        None,
+    )
+    lines += [
+        f"The engine's default encoder profile is the row '{default}'. "
+        "Targets, dynamic HIGGS at 4.13 bits vs (lower is better):",
+        "",
+    ]
+    for run in res["runs"]:
+        if run["target_bits"] != 4.13:
+            continue
+        for ref in ("NF4 b64 dq", "HQQ-4 g64"):
+            r = refs.get(ref)
+            if r is None:
+                continue
+            verdict = "met" if run["one_minus_cos"] < r["one_minus_cos"] else "NOT met"
+            lines.append(
+                f"- profile '{run['profile']}' ({fmt(run['bits'])} bits) vs {ref} "
+                f"({fmt(r['bits'])} bits): {fmt(run['one_minus_cos'])} vs "
+                f"{fmt(r['one_minus_cos'])}: **{verdict}**"
+            )
+    env = res["environment"]["start"]
+    lines += [
+        "",
+        f"Measured {env['date']}, torch {env['torch']}, {env['torch_threads']} thread(s), load "
+        f"average at start {env['load_average_1_5_15']}; {res.get('wall_seconds', 0):.0f} s "
+        "(shared machine: seconds are noisy).",
+    ]
     return "\n".join(lines)
 
 

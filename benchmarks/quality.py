@@ -69,7 +69,9 @@ TARGETS = [
 ]
 REAL_PATH_METHOD = "HIGGS p=2 n=256"
 DYNAMIC_BITS = 4.13  # NF4 with double quantization's size
-DYNAMIC_METHOD = f"dynamic HIGGS {DYNAMIC_BITS} (self-generated profile)"
+# The engine's default data-free profile: Fisher on self-generated text for a causal LM, the
+# Gauss-Newton cos profile on random [CLS] ... [SEP] windows for an encoder.
+DYNAMIC_METHOD = f"dynamic HIGGS {DYNAMIC_BITS} (default profile)"
 TARGETS += [
     ("HIGGS default --bits 4", "RTN-4 g128"),
     (DYNAMIC_METHOD, "NF4 b64 dq"),
@@ -81,8 +83,9 @@ def dynamic_method(
     model_dir: Path, sim: SimulatedModel, cache_dir: Path | None
 ) -> tuple[Method, dict[str, Any]]:
     """Dynamic HIGGS at DYNAMIC_BITS as `higgs quantize SRC --avg-bits` runs it with no text:
-    the default profile (Fisher, on text the model generates itself; cached in `cache_dir`),
-    the DP allocation, and each layer's grid with the default HiggsConfig."""
+    the default profile (cached in `cache_dir`; for a causal LM Fisher/KL on text the model
+    generates itself, for an encoder Gauss-Newton/cos on random framed tokens), the DP
+    allocation, and each layer's grid with the default HiggsConfig."""
     from higgs_engine.dynamic import DEFAULT_PROFILE, Target, get_profile, plan_allocation
     from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.quantize import dequantize_matrix, quantize_matrix
@@ -256,7 +259,7 @@ def bench_model(
         calibrated_methods(model_dir, cal_data),
     )
     dyn_info: dict[str, Any] | None = None
-    if causal and (not args.methods or DYNAMIC_METHOD in args.methods):
+    if not args.methods or DYNAMIC_METHOD in args.methods:
         dyn, dyn_info = dynamic_method(model_dir, sim, args.profile_cache)
         print(f"[{label}] dynamic profile: {dyn_info}", flush=True)
         methods.append(dyn)

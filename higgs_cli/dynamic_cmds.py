@@ -54,9 +54,11 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
     )
     p.add_argument(
         f"--{prefix}metric",
-        choices=["kl", "ppl"],
-        default="kl",
-        help="KL from the base model (default; works on random tokens) or perplexity",
+        choices=["auto", "kl", "ppl", "cos"],
+        default="auto",
+        help="auto (default): KL from the base model for a causal LM (works on random tokens), "
+        "1 - cos of the mean-pooled final hidden state for an encoder (e.g. BERT); or kl, "
+        "ppl (perplexity, needs a text) or cos explicitly",
     )
     method = p.add_mutually_exclusive_group()
     method.add_argument(
@@ -81,7 +83,7 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
         type=int,
         default=512,
         metavar="T",
-        help="tokens per window (default 512)",
+        help="tokens per window (default 512; an encoder's windows are at most 128)",
     )
     p.add_argument(
         f"--{prefix}levels",
@@ -356,16 +358,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"Pareto curve of {args.source} from a {prof.method} profile (metric {m}); {plan.conversion}"
     )
     print(f"{'bits/weight':>12}  {'predicted ' + m:>14}  {'pred. ppl increase':>18}")
+
+    def pct(predicted: float, sign: str = "") -> str:
+        inc = ppl_increase_from(m, predicted)  # None: a cos profile has no perplexity
+        return "n/a" if inc is None else f"{sign}{100 * inc:.2f}%"
+
     for pt in plan.pareto:
-        print(
-            f"{pt.avg_bits:12.4f}  {pt.predicted:14.5f}  {100 * ppl_increase_from(m, pt.predicted):17.2f}%"
-        )
+        print(f"{pt.avg_bits:12.4f}  {pt.predicted:14.5f}  {pct(pt.predicted):>18}")
     if target is not None:
         a = plan.allocation
         hist = ", ".join(f"{k}: {v}" for k, v in a.histogram().items())
         print(
             f"target {target.to_dict()}: {a.avg_bits:.4f} bits per weight, predicted {m} {a.predicted:.5f} "
-            f"(ppl +{100 * ppl_increase_from(m, a.predicted):.2f}%); layers {hist}"
+            f"(ppl {pct(a.predicted, '+')}); layers {hist}"
         )
     return 0
 

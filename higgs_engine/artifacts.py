@@ -491,9 +491,13 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     except (SafetensorError, KeyError, ValueError, RuntimeError) as exc:
         raise CorruptCheckpointError(f"cannot read native artifact {str(wfile)!r}: {exc}") from exc
     result = model.load_state_dict(plain, strict=False, assign=True)
-    if result.unexpected_keys:
+    # Checkpoints written by older transformers keep non-persistent buffers the model now builds
+    # itself (BERT's embeddings.position_ids): not an error, the model's own buffer is used.
+    buffers = {n for n, _ in model.named_buffers()}
+    unexpected = sorted(k for k in result.unexpected_keys if k not in buffers)
+    if unexpected:
         raise CorruptCheckpointError(
-            f"native artifact has tensors the model does not: {sorted(result.unexpected_keys)[:5]}"
+            f"native artifact has tensors the model does not: {unexpected[:5]}"
         )
     # Tied heads are stored once (as the embedding); re-tie after assigning real tensors.
     model.tie_weights()

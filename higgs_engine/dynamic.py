@@ -38,6 +38,7 @@ from higgs_engine.planning.profile import (
     ProfileStore,
     calibration_id,
     find_profile,
+    resolve_profile_config,
     resume_path,
     source_fingerprint,
 )
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 
 # The Fisher estimate matched noise injection on quality at a fraction of the cost
 # (benchmarks/results/dynamic.md); without a text the model's own generated text is used.
+# The metric is chosen per checkpoint (kl for a causal LM, cos for an encoder, whose Fisher
+# method is the Gauss-Newton estimate and whose data-free tokens are random: an encoder
+# cannot generate text); see planning.profile.resolve_profile_config.
 DEFAULT_PROFILE = ProfileConfig(method="fisher")
 DEFAULT_CONFIG = HiggsConfig()
 # A job needs the allocation, not the curve (POST /v1/plans and `higgs plan` draw that).
@@ -65,11 +69,21 @@ _JOB_PARETO_STEP = 0.5
 
 
 def load_float_model(path: Path) -> tuple[nn.Module, Any]:
-    """The checkpoint in float32 on CPU (the profile perturbs it in place), and its tokenizer."""
+    """The checkpoint in float32 on CPU (the profile perturbs it in place), and its tokenizer.
+
+    A causal LM is loaded with its LM head; any other checkpoint (an encoder) as the class its
+    config names (e.g. BertModel), whose base model's final hidden state the "cos" metric reads.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    from higgs_engine.model_structure import load_config, model_class, model_kind
+
+    if model_kind(load_config(Path(path))) == "causal":
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        cls: Any = model_class(load_config(Path(path)))
+        model = cls.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
@@ -90,9 +104,19 @@ def calibration_windows(
 ) -> torch.Tensor:
     """(windows, context) token ids: the text's first windows; without a text, the data-free
     source of `config`: text the model generates itself (cached in `cache_dir` per `revision`)
-    or seeded random tokens."""
+    or seeded random tokens.
+
+    An encoder's windows (config.metric "cos") are framed as its tokenizer frames a sequence:
+    CLS, context - 2 tokens of text (or random tokens), SEP. An encoder cannot generate text
+    (`resolve_profile_config` turns data_free "self" into "random" for it)."""
     from higgs_engine.evaluate import text_windows, tokenize
+    from higgs_engine.model_structure import max_positions, model_kind
     from higgs_engine.profile import random_windows
+
+    mcfg: Any = model.config
+    config = resolve_profile_config(config, model_kind(mcfg), max_positions(mcfg))
+    if config.metric == "cos":
+        return encoder_windows(model, tokenizer, text, config)
 
     if text is None and config.data_free == "self":
         from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens
@@ -116,6 +140,69 @@ def calibration_windows(
             f"{config.windows} were asked for"
         )
     return wins
+
+
+def _special_id(tokenizer: Any, names: Sequence[str]) -> int | None:
+    for name in names:
+        v = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if isinstance(v, int) and v >= 0:
+            return v
+    return None
+
+
+def encoder_windows(
+    model: nn.Module, tokenizer: Any, text: str | None, config: ProfileConfig
+) -> torch.Tensor:
+    """(windows, context) ids for an encoder: [CLS] + context - 2 tokens + [SEP] (CLS / SEP from
+    the tokenizer, else its BOS / EOS; a window is left unframed where there is neither).
+    Without a text the inner tokens are seeded uniform random ids (data-free); data_free
+    "self" is an error here, since an encoder cannot generate text."""
+    import torch
+
+    from higgs_engine.evaluate import text_windows, tokenize
+    from higgs_engine.profile import frame_windows, random_windows
+
+    first = _special_id(tokenizer, ("cls_token_id", "bos_token_id"))
+    last = _special_id(tokenizer, ("sep_token_id", "eos_token_id"))
+    if text is None:
+        if config.data_free == "self":
+            raise InvalidConfigError(
+                "data_free='self' needs a model that generates text; an encoder cannot "
+                "(profile it with data_free='random' or a calibration text)"
+            )
+        cfg: Any = model.config
+        return frame_windows(random_windows(int(cfg.vocab_size), config), first, last)
+    if tokenizer is None:
+        raise InvalidConfigError(
+            "the checkpoint has no tokenizer; profile it with random tokens instead"
+        )
+    inner = config.context - (first is not None) - (last is not None)
+    if inner < 1:
+        raise InvalidConfigError(
+            f"context={config.context} leaves no room for text between CLS and SEP"
+        )
+    wins = text_windows(tokenize(tokenizer, text), inner, config.windows)
+    if wins.shape[0] < config.windows:
+        raise InvalidConfigError(
+            f"the calibration text has only {wins.shape[0]} windows of {inner} tokens; "
+            f"{config.windows} were asked for"
+        )
+    n = int(wins.shape[0])
+    cols = [wins]
+    if first is not None:
+        cols.insert(0, torch.full((n, 1), first, dtype=wins.dtype))
+    if last is not None:
+        cols.append(torch.full((n, 1), last, dtype=wins.dtype))
+    return torch.cat(cols, dim=1)
+
+
+def profile_config_for(path: Path, config: ProfileConfig) -> ProfileConfig:
+    """`config` resolved for the checkpoint at `path` (metric auto -> kl or cos, an encoder's
+    data-free source and context; planning.profile.resolve_profile_config)."""
+    from higgs_engine.model_structure import load_config, max_positions, model_kind
+
+    cfg = load_config(Path(path))
+    return resolve_profile_config(config, model_kind(cfg), max_positions(cfg))
 
 
 def profile_stores(cache_dir: Path | None = None, out: Path | None = None) -> list[ProfileStore]:
@@ -162,6 +249,7 @@ def obtain_profile(
     t0 = time.perf_counter()
     src = resolve_source(source, revision, token)
     names = quantizable_layers(src.path, skip)
+    config = profile_config_for(src.path, config)
     request = ProfileRequest(
         model=src.id,
         revision=src.revision or source_fingerprint(src.path),

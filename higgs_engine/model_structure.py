@@ -72,6 +72,27 @@ def model_class(config: PretrainedConfig) -> type[nn.Module]:
     )
 
 
+_CAUSAL_ARCH_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def model_kind(config: PretrainedConfig) -> str:
+    """The checkpoint's kind: "causal" when it is a causal LM (its architecture has a next-token
+    head, or it names none and transformers builds a causal LM for its model type), else
+    "encoder" (a model whose output is its final hidden state, e.g. BertModel)."""
+    archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
+    if archs:
+        return "causal" if any(a.endswith(_CAUSAL_ARCH_SUFFIXES) for a in archs) else "encoder"
+    from transformers import AutoModelForCausalLM
+
+    return "causal" if type(config) in AutoModelForCausalLM._model_mapping else "encoder"
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest input an encoder's learned position table takes (None when unknown)."""
+    v = getattr(config, "max_position_embeddings", None)
+    return int(v) if isinstance(v, int) and v > 0 else None
+
+
 def build_meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's module tree on the meta device: structure and shapes, no memory."""
     import torch

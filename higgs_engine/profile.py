@@ -17,7 +17,16 @@ Two ways to measure it (docs/algorithm.md section 4):
   approximates (Gauss-Newton), so the same alphas serve the perplexity metric.
 
 Metrics: "kl" = mean KL(base || perturbed) per token (works on random tokens: data-free);
-"ppl" = relative perplexity increase ppl/ppl_base - 1 on calibration text.
+"ppl" = relative perplexity increase ppl/ppl_base - 1 on calibration text; "cos" (models without
+a causal LM head, e.g. BERT sentence encoders) = mean over windows of 1 - cos(f, f') of the
+mean-pooled final hidden state f (what a sentence-embedding model outputs).
+
+For "cos" the Fisher method is its Gauss-Newton analogue. With u = f / |f| and the perturbed
+output f + d, 1 - cos = 0.5 |(I - u u^T) d|^2 / |f|^2 + O(|d|^3): the first-order term vanishes
+at zero error, and d = J_l e + O(e^2), so for noise e of per-entry variance s^2
+    E[1 - cos] ~= 0.5 s^2 |P J_l|_F^2 / |f|^2,   P = I - u u^T.
+|P J_l|_F^2 / |f|^2 = E|J_l^T v|^2 for v = P z / |f|, z ~ N(0, I): one backward pass of v . f
+per draw gives one sample (draws of different windows are independent, so they share a pass).
 
 The model is loaded once, in float32, and weights are perturbed and restored in place. The
 noise of (layer i, level k) comes from its own generator seeded by (seed, i, k), so a resumed
@@ -33,7 +42,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
-from higgs_engine.planning.profile import LayerAlpha, Profile, ProfileConfig, profile_key
+from higgs_engine.planning.profile import (
+    LayerAlpha,
+    Profile,
+    ProfileConfig,
+    profile_key,
+    resolve_profile_config,
+)
 from higgs_engine.progress import ProgressCallback, report
 
 if TYPE_CHECKING:
@@ -53,30 +68,47 @@ def random_windows(vocab_size: int, config: ProfileConfig) -> torch.Tensor:
     return torch.randint(0, vocab_size, (config.windows, config.context), generator=g)
 
 
-class BlockReplay:
-    """Forward passes of one model over fixed windows, restarting at a decoder block when it can.
+def frame_windows(windows: torch.Tensor, first: int | None, last: int | None) -> torch.Tensor:
+    """`windows` with its first / last column set to `first` / `last` (an encoder's CLS and SEP;
+    None leaves the column as it is)."""
+    out = windows.clone()
+    if first is not None:
+        out[:, 0] = first
+    if last is not None:
+        out[:, -1] = last
+    return out
 
-    Perturbing a layer in decoder block k leaves blocks 0..k-1 unchanged, so their output is
-    cached once per window and only blocks k.. (plus the final norm and head) are rerun: about
-    half the work of a full forward on average. The replay path is checked against the full
-    forward when the runner is built and is not used if the two disagree.
+
+class BlockReplay:
+    """Forward passes of one model over fixed windows, restarting at a block when it can.
+
+    Perturbing a layer in block k leaves blocks 0..k-1 unchanged, so their output is cached once
+    per window and only blocks k.. (plus, for a causal LM, the final norm and head) are rerun:
+    about half the work of a full forward on average. The replay path is checked against the
+    full forward when the runner is built and is not used if the two disagree.
+
+    `kind` "causal": the output of a window is its next-token logits (context - 1, vocab).
+    `kind` "encoder": the mean-pooled final hidden state of the model's base model (d,).
     """
 
-    def __init__(self, model: nn.Module, windows: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, windows: torch.Tensor, kind: str = "causal") -> None:
         import torch
 
         self.model = model
+        self.kind = kind
         self.windows = windows
         self.forwards = 0
         self.blocks: list[nn.Module] | None = None
         self.block_prefix: list[str] = []
+        self.norm: nn.Module | None = None
+        self.head: nn.Module | None = None
         self._inputs: list[list[tuple[Any, Any, dict[str, Any]]]] = []
-        found = self._find_blocks(model)
+        found = self._find_blocks(model) if kind == "causal" else self._find_encoder_blocks(model)
         if found is not None:
             self.block_prefix, self.blocks, self.norm, self.head = found
             self._capture()
-            full = self._full_logits(0)
-            replay = self._replay_logits(0, 0)
+            full = self._full_output(0)
+            replay = self._replay_output(0, 0)
             if not torch.allclose(full, replay, rtol=1e-4, atol=1e-4):
                 self.blocks = None
                 self._inputs = []
@@ -84,7 +116,7 @@ class BlockReplay:
     @staticmethod
     def _find_blocks(
         model: nn.Module,
-    ) -> tuple[list[str], list[nn.Module], nn.Module, nn.Module] | None:
+    ) -> tuple[list[str], list[nn.Module], nn.Module | None, nn.Module | None] | None:
         from torch import nn
 
         base = getattr(model, "model", None)
@@ -96,6 +128,34 @@ class BlockReplay:
         names = {id(m): n for n, m in model.named_modules()}
         prefix = [names[id(b)] + "." for b in layers]
         return prefix, list(layers), norm, head
+
+    @staticmethod
+    def _find_encoder_blocks(
+        model: nn.Module,
+    ) -> tuple[list[str], list[nn.Module], nn.Module | None, nn.Module | None] | None:
+        """BERT-style encoders: base_model.encoder.layer (BERT, RoBERTa, ...) or
+        base_model.transformer.layer (DistilBERT); the last block's output is the hidden state
+        (checked against the full forward)."""
+        from torch import nn
+
+        base = getattr(model, "base_model", model)
+        for path in ("encoder.layer", "transformer.layer", "layers"):
+            obj: Any = base
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+                names = {id(m): n for n, m in model.named_modules()}
+                return [names[id(b)] + "." for b in obj], list(obj), None, None
+        return None
+
+    def _forward(self, i: int) -> Any:
+        import torch
+
+        window = self.windows[i : i + 1]
+        if self.kind == "causal":
+            return self.model(input_ids=window, use_cache=False)
+        base = getattr(self.model, "base_model", self.model)
+        return base(input_ids=window, attention_mask=torch.ones_like(window))
 
     def _capture(self) -> None:
         import torch
@@ -110,12 +170,16 @@ class BlockReplay:
                 kwargs: dict[str, Any],
                 seen: list[Any] = seen,
             ) -> None:
-                seen.append((args[0].detach(), args[1:], dict(kwargs)))
+                if args:
+                    seen.append((args[0].detach(), args[1:], dict(kwargs)))
+                else:  # the hidden state passed by keyword
+                    kw = dict(kwargs)
+                    seen.append((kw.pop("hidden_states").detach(), (), kw))
 
             handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in self.blocks]
             try:
                 with torch.no_grad():
-                    self.model(input_ids=self.windows[i : i + 1], use_cache=False)
+                    self._forward(i)
             finally:
                 for h in handles:
                     h.remove()
@@ -128,15 +192,17 @@ class BlockReplay:
                 return k
         return -1
 
-    def _full_logits(self, i: int) -> torch.Tensor:
+    def _full_output(self, i: int) -> torch.Tensor:
         import torch
 
         with torch.no_grad():
-            out = self.model(input_ids=self.windows[i : i + 1], use_cache=False)
+            out = self._forward(i)
         self.forwards += 1
-        return out.logits[0, :-1].float()  # (context - 1, vocab)
+        if self.kind == "causal":
+            return out.logits[0, :-1].float()  # (context - 1, vocab)
+        return out.last_hidden_state[0].float().mean(0)  # (d,)
 
-    def _replay_logits(self, i: int, start: int) -> torch.Tensor:
+    def _replay_output(self, i: int, start: int) -> torch.Tensor:
         import torch
 
         assert self.blocks is not None
@@ -145,21 +211,27 @@ class BlockReplay:
             for block, (_, a, kw) in zip(self.blocks[start:], self._inputs[i][start:], strict=True):
                 out = block(h, *a, **kw)
                 h = out[0] if isinstance(out, tuple) else out
-            logits = self.head(self.norm(h))
-        self.forwards += 1
-        return logits[0, :-1].float()
+            self.forwards += 1
+            if self.kind == "causal":
+                assert self.head is not None and self.norm is not None
+                return self.head(self.norm(h))[0, :-1].float()
+            return h[0].float().mean(0)
 
-    def log_probs(self, i: int, layer_name: str | None = None) -> torch.Tensor:
-        """(context - 1, vocab) float32 log-probs of window i, rerunning only what `layer_name` changes."""
-        import torch
-
+    def output(self, i: int, layer_name: str | None = None) -> torch.Tensor:
+        """Window i's output (logits or pooled hidden state), rerunning only what `layer_name`
+        changes."""
         k = (
             self.block_of(layer_name)
             if (layer_name is not None and self.blocks is not None)
             else -1
         )
-        logits = self._replay_logits(i, k) if k >= 0 else self._full_logits(i)
-        return torch.log_softmax(logits, dim=-1)
+        return self._replay_output(i, k) if k >= 0 else self._full_output(i)
+
+    def log_probs(self, i: int, layer_name: str | None = None) -> torch.Tensor:
+        """(context - 1, vocab) float32 log-probs of window i (causal LMs)."""
+        import torch
+
+        return torch.log_softmax(self.output(i, layer_name), dim=-1)
 
 
 def _scores(lp: torch.Tensor, targets: torch.Tensor, base_lp: torch.Tensor) -> tuple[float, float]:
@@ -169,6 +241,14 @@ def _scores(lp: torch.Tensor, targets: torch.Tensor, base_lp: torch.Tensor) -> t
     return nll, kl
 
 
+def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    """1 - cos(a, b) of two vectors, float64."""
+    import torch
+
+    cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0)
+    return float(1.0 - cos.clamp(-1.0, 1.0))
+
+
 class _Metric:
     """The profile's metric of the model's current weights, relative to the base weights."""
 
@@ -176,14 +256,27 @@ class _Metric:
         self.runner = runner
         self.metric = metric
         w = runner.windows
-        self.tokens = int(w.shape[0]) * (int(w.shape[1]) - 1)
-        self.base_lp = [runner.log_probs(i) for i in range(w.shape[0])]
+        n = int(w.shape[0])
+        if metric == "cos":
+            self.base_out = [runner.output(i) for i in range(n)]
+            norm = math.fsum(float(f.double().norm()) for f in self.base_out) / n
+            self.base = {"embedding_norm": norm}
+            return
+        self.tokens = n * (int(w.shape[1]) - 1)
+        self.base_lp = [runner.log_probs(i) for i in range(n)]
         nll = sum(_scores(lp, w[i, 1:], lp)[0] for i, lp in enumerate(self.base_lp))
         self.base_ppl = math.exp(nll / self.tokens)
+        self.base = {"ppl": self.base_ppl}
 
     def change(self, layer_name: str) -> float:
-        nll = kl = 0.0
         w = self.runner.windows
+        if self.metric == "cos":
+            d = [
+                one_minus_cos(self.runner.output(i, layer_name), self.base_out[i])
+                for i in range(w.shape[0])
+            ]
+            return math.fsum(d) / len(d)
+        nll = kl = 0.0
         for i in range(w.shape[0]):
             a, b = _scores(self.runner.log_probs(i, layer_name), w[i, 1:], self.base_lp[i])
             nll += a
@@ -233,16 +326,16 @@ def noise_profile_layers(
     done: Sequence[LayerAlpha] = (),
     on_layer: Callable[[list[LayerAlpha], int], None] | None = None,
     progress: ProgressCallback | None = None,
-) -> tuple[list[LayerAlpha], float, int]:
+) -> tuple[list[LayerAlpha], dict[str, float], int]:
     """Noise-injection alphas for `names` (resuming after the layers in `done`).
 
-    Returns (layers, base ppl, forward passes). `on_layer(layers_so_far, forwards)` is called
-    after every layer so the caller can save a partial profile.
+    Returns (layers, base figures, forward passes). `on_layer(layers_so_far, forwards)` is
+    called after every layer so the caller can save a partial profile.
     """
     import torch
 
     model.eval()
-    runner = BlockReplay(model, windows)
+    runner = BlockReplay(model, windows, "encoder" if config.metric == "cos" else "causal")
     metric = _Metric(runner, config.metric)
     weights = _weights(model, names)
     out = list(done)
@@ -269,7 +362,7 @@ def noise_profile_layers(
         if on_layer is not None:
             on_layer(out, runner.forwards)
         report(progress, "profiling", idx + 1, len(names))
-    return out, metric.base_ppl, runner.forwards
+    return out, metric.base, runner.forwards
 
 
 def fisher_profile_layers(
@@ -279,10 +372,13 @@ def fisher_profile_layers(
     config: ProfileConfig,
     *,
     progress: ProgressCallback | None = None,
-) -> tuple[list[LayerAlpha], float, int, int]:
-    """Fisher-trace alphas: returns (layers, base ppl, forward passes, backward passes)."""
+) -> tuple[list[LayerAlpha], dict[str, float], int, int]:
+    """Fisher-trace alphas: returns (layers, base figures, forward passes, backward passes).
+    For the "cos" metric, the Gauss-Newton estimate (module docstring)."""
     import torch
 
+    if config.metric == "cos":
+        return gauss_newton_cos_layers(model, names, windows, config, progress=progress)
     model.eval()
     params = _weights(model, names)
     flags = [p.requires_grad for p in params]
@@ -324,7 +420,63 @@ def fisher_profile_layers(
         alpha = 0.5 * float(w.double().pow(2).sum()) / w.numel() * tr_f
         # For metric "ppl" the same figure holds: ppl/ppl_base - 1 ~= NLL increase when small.
         out.append(LayerAlpha(name, [int(w.shape[0]), int(w.shape[1])], alpha, [], tr_f))
-    return out, math.exp(nll / tokens), forwards, backwards
+    return out, {"ppl": math.exp(nll / tokens)}, forwards, backwards
+
+
+def gauss_newton_cos_layers(
+    model: nn.Module,
+    names: Sequence[str],
+    windows: torch.Tensor,
+    config: ProfileConfig,
+    *,
+    progress: ProgressCallback | None = None,
+) -> tuple[list[LayerAlpha], dict[str, float], int, int]:
+    """Alphas of the "cos" metric from E|J_l^T v|^2 with random output directions v = P z / |f|
+    (module docstring): one forward with gradients over all windows, `fisher_samples` backward
+    passes. Returns (layers, base figures, forward passes, backward passes)."""
+    import torch
+
+    model.eval()
+    base = getattr(model, "base_model", model)
+    params = _weights(model, names)
+    flags = [p.requires_grad for p in params]
+    n = int(windows.shape[0])
+    sq = [0.0] * len(names)  # sum over draws of ||sum_i J_i^T v_i||^2
+    g = torch.Generator().manual_seed(config.seed)
+    report(progress, "profiling", 0, config.fisher_samples)
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            hidden = base(input_ids=windows, attention_mask=torch.ones_like(windows))
+            f = hidden.last_hidden_state.float().mean(1)  # (windows, d)
+            fd = f.detach().double()
+            norms = fd.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+            u = fd / norms
+            for s in range(config.fisher_samples):
+                z = torch.randn(fd.shape, generator=g, dtype=torch.float64)
+                v = (z - (z * u).sum(-1, keepdim=True) * u) / norms  # P z / |f|, per window
+                grads = torch.autograd.grad(
+                    (f * v.to(f.dtype)).sum(),
+                    params,
+                    retain_graph=s < config.fisher_samples - 1,
+                    allow_unused=True,
+                )
+                for li, gr in enumerate(grads):
+                    if gr is not None:  # None: the layer does not reach the hidden state
+                        sq[li] += float(gr.double().pow(2).sum())
+                report(progress, "profiling", s + 1, config.fisher_samples)
+    finally:
+        for p, fl in zip(params, flags, strict=True):
+            p.requires_grad_(fl)
+    out = []
+    for li, (name, p) in enumerate(zip(names, params, strict=True)):
+        w = p.detach()
+        tr_gn = sq[li] / (config.fisher_samples * n)  # mean over windows of |P J_l|^2 / |f|^2
+        alpha = 0.5 * float(w.double().pow(2).sum()) / w.numel() * tr_gn
+        out.append(LayerAlpha(name, [int(w.shape[0]), int(w.shape[1])], alpha, [], tr_gn))
+    base_fig = {"embedding_norm": float(norms.mean())}
+    return out, base_fig, 1, config.fisher_samples
 
 
 def compute_profile(
@@ -345,6 +497,10 @@ def compute_profile(
     profile is rewritten there after every layer (noise method), so an interrupted run
     continues where it stopped.
     """
+    from higgs_engine.model_structure import max_positions, model_kind
+
+    cfg: Any = model.config
+    config = resolve_profile_config(config, model_kind(cfg), max_positions(cfg))
     key = profile_key(model_id, revision, calibration, config)
     prof = Profile(
         model=model_id,
@@ -380,12 +536,12 @@ def compute_profile(
             if partial_path is not None:
                 prof.save(partial_path)
 
-        layers, base_ppl, forwards = noise_profile_layers(
+        layers, base_fig, forwards = noise_profile_layers(
             model, names, windows, config, done=prof.layers, on_layer=save, progress=progress
         )
         save(layers, forwards)
     else:
-        layers, base_ppl, forwards, backwards = fisher_profile_layers(
+        layers, base_fig, forwards, backwards = fisher_profile_layers(
             model, names, windows, config, progress=progress
         )
         prof.layers = layers
@@ -394,7 +550,7 @@ def compute_profile(
             "backward_passes": backwards,
             "seconds": time.perf_counter() - start,
         }
-    prof.base = {"ppl": base_ppl}
+    prof.base = base_fig
     prof.complete = True
     if partial_path is not None:
         prof.save(partial_path)

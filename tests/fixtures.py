@@ -4,6 +4,8 @@
   random small model of one of TINY_KINDS with transformers' `save_pretrained` (safetensors)
   plus a byte-level BPE tokenizer trained in memory on TINY_TEXT (no network, no downloaded
   weights); TINY_MODEL is the name the worker and end-to-end tests give such a model;
+  `build_tiny_encoder(dest)` the same for a BERT sentence encoder (BertModel, no LM head) with
+  a WordPiece tokenizer that frames text as [CLS] ... [SEP];
 - `make_hub_cache`: a checkpoint laid out as huggingface_hub stores a download;
 - `files_under`: every file below a folder, sorted;
 - `assert_problem`: an RFC 9457 problem+json response with a given status (and field);
@@ -123,6 +125,76 @@ def build_tiny_checkpoint(
     model.save_pretrained(str(dest), **kw)
     if tokenizer:
         build_tiny_tokenizer(dest)
+    return dest
+
+
+def build_tiny_wordpiece_tokenizer(dest: Path) -> Path:
+    """Train a BERT-style WordPiece tokenizer (vocab < 320) on TINY_TEXT: lower-cased, framed as
+    [CLS] text [SEP], saved as an HF fast tokenizer."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False
+    )
+    tok.train_from_iterator([TINY_TEXT * 4], trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(dest))
+    return dest
+
+
+def build_tiny_encoder(dest: Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a random tiny BERT sentence encoder (BertModel: no LM head, output = hidden
+    states) to `dest` as safetensors, with a WordPiece tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    kw: dict[str, Any] = dict(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    config = BertConfig(**{**kw, **config_overrides})
+    torch.manual_seed(seed)
+    model = BertModel(config)
+    with torch.no_grad():  # some outlier rows, as in build_tiny_checkpoint
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(0.05 * torch.randn(p.shape, generator=g) ** 3)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    build_tiny_wordpiece_tokenizer(dest)
     return dest
 
 

@@ -50,7 +50,7 @@ class ProfileSettings:
     """How the worker measures profiles (from Settings, read once per worker process)."""
 
     cache_dir: Path
-    metric: str = "kl"
+    metric: str = "auto"  # resolved per checkpoint: kl for a causal LM, cos for an encoder
     method: str = "fisher"
     data_free: str = "self"
     context: int = 512
@@ -232,7 +232,9 @@ def annotate_uniform(
 ) -> None:
     """A uniform job on a model with a cached profile also reports each layer's alpha and the
     predicted metric change from its measured t^2 (never measures a profile for it)."""
-    pc = ps.engine_config()
+    from higgs_engine.dynamic import profile_config_for
+
+    pc = profile_config_for(source.path, ps.engine_config())  # metric "auto" -> kl or cos
     request = ProfileRequest(
         source.id, profile_revision(source), calibration_id(ps.text(), pc.seed, pc.data_free), pc
     )

@@ -39,7 +39,7 @@ class PlanCreate(Strict):
     target: Target | None = Field(
         default=None, description="avg_bits or max_ppl_increase; omitted: the curve only"
     )
-    metric: Literal["kl", "ppl"] | None = Field(
+    metric: Literal["kl", "ppl", "cos"] | None = Field(
         default=None, description="profile metric (default: the newest profile's)"
     )
     options: PlanOptions = Field(default_factory=PlanOptions)

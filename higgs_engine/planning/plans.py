@@ -71,10 +71,19 @@ class Target:
 # ---------------------------------------------------------------------------------------------
 
 
-def ppl_increase_from(metric: str, predicted: float) -> float:
-    """Predicted relative perplexity increase from a predicted change of the profile's metric."""
+COS_NOTE = (
+    "cos profile (a model without a causal LM head): predicted values are the mean 1 - cos of "
+    "the mean-pooled final hidden state; there is no perplexity"
+)
+
+
+def ppl_increase_from(metric: str, predicted: float) -> float | None:
+    """Predicted relative perplexity increase from a predicted change of the profile's metric
+    (None for a "cos" profile: an encoder has no perplexity)."""
     if metric == "kl":
         return math.expm1(predicted)
+    if metric == "cos":
+        return None
     return predicted
 
 
@@ -82,10 +91,17 @@ def metric_bound_for_ppl(metric: str, max_ppl_increase: float) -> float:
     """The bound on the profile's metric that corresponds to a relative ppl increase."""
     if metric == "kl":
         return math.log1p(max_ppl_increase)
+    if metric == "cos":
+        raise InvalidConfigError(
+            f"max_ppl_increase={max_ppl_increase} needs a kl or ppl profile; this profile "
+            "measures 1 - cos of an encoder's embeddings (no perplexity): give avg_bits instead"
+        )
     return max_ppl_increase
 
 
 def conversion_note(metric: str) -> str:
+    if metric == "cos":
+        return COS_NOTE
     return (
         KL_TO_PPL
         if metric == "kl"

@@ -13,15 +13,24 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError, ProfileNotFoundError
 
 PROFILE_VERSION = 1
-METRICS = ("kl", "ppl")
+# "kl" and "ppl" measure a causal LM's next-token distribution; "cos" measures a model without a
+# causal LM head (an encoder): mean over sequences of 1 - cos(base, perturbed) of the
+# mean-pooled final hidden state. "auto" is resolved per checkpoint by `resolve_profile_config`
+# (causal LM -> kl, otherwise cos); a stored profile always names a concrete metric.
+METRICS = ("auto", "kl", "ppl", "cos")
+LM_METRICS = ("kl", "ppl")
 METHODS = ("noise", "fisher")
+# What `model_structure.model_kind` calls a checkpoint: with a causal LM head, or without one.
+MODEL_KINDS = ("causal", "encoder")
+# The longest window an encoder is profiled on (resolve_profile_config).
+ENCODER_CONTEXT = 128
 # Token sources when no calibration text is given: text the model generates itself
 # (higgs_engine.selfgen), or seeded uniform random tokens.
 DATA_FREE_SOURCES = ("self", "random")
@@ -31,7 +40,7 @@ DATA_FREE_SOURCES = ("self", "random")
 class ProfileConfig:
     """How a profile is measured. Everything that changes the alphas is in here."""
 
-    metric: str = "kl"
+    metric: str = "auto"
     method: str = "noise"
     levels: tuple[float, ...] = (0.005, 0.02)  # noise t^2 for the noise-injection method
     context: int = 512
@@ -80,6 +89,44 @@ class ProfileConfig:
         return cls(**d)
 
 
+def resolve_profile_config(
+    config: ProfileConfig, kind: str, max_positions: int | None = None
+) -> ProfileConfig:
+    """The config a checkpoint of this `kind` ("causal" or "encoder") is actually profiled with.
+
+    - metric "auto" becomes "kl" for a causal LM and "cos" for an encoder; "kl"/"ppl" on an
+      encoder (no next-token distribution) and "cos" on a causal LM are errors;
+    - an encoder cannot generate text, so data_free "self" becomes "random" (uniform random
+      tokens framed by the tokenizer's CLS ... SEP); the profile records "random";
+    - an encoder's windows are at most ENCODER_CONTEXT tokens (sentence length, where its
+      embeddings are used: on all-MiniLM-L6-v2, profiles in 128-token windows gave better
+      allocations than in 512-token ones, from random and from real text alike,
+      benchmarks/results/datafree_sources_minilm.md) and at most `max_positions` (its learned
+      position table); the token budget is kept by taking more, shorter windows.
+    Resolving twice gives the same config."""
+    if kind not in MODEL_KINDS:
+        raise InvalidConfigError(f"model kind {kind!r} must be one of {list(MODEL_KINDS)}")
+    if kind == "causal":
+        if config.metric == "cos":
+            raise InvalidConfigError(
+                "metric='cos' is for models without a causal LM head; this checkpoint has one "
+                "(use kl or ppl)"
+            )
+        return replace(config, metric="kl") if config.metric == "auto" else config
+    if config.metric in LM_METRICS:
+        raise InvalidConfigError(
+            f"metric={config.metric!r} needs a causal LM head (next-token probabilities); "
+            "this checkpoint is an encoder: use metric 'cos' (or 'auto')"
+        )
+    out = replace(config, metric="cos", data_free="random")
+    limit = ENCODER_CONTEXT
+    if max_positions is not None and max_positions >= 2:
+        limit = min(limit, max_positions)
+    if out.context > limit:
+        out = replace(out, context=limit, windows=max(1, config.tokens // limit))
+    return out
+
+
 @dataclass
 class LayerAlpha:
     name: str
@@ -97,7 +144,9 @@ class Profile:
     calibration: str  # "text:<sha256>" or "random:<seed>"
     config: dict[str, Any]  # ProfileConfig.to_dict()
     layers: list[LayerAlpha]
-    base: dict[str, float]  # {"ppl": ...} of the base model on the calibration tokens
+    # {"ppl": ...} of a causal LM on the calibration tokens; {"embedding_norm": ...} (mean norm of
+    # the mean-pooled final hidden state) of an encoder
+    base: dict[str, float]
     cost: dict[str, float]  # {"forward_passes", "backward_passes", "seconds"}
     complete: bool
     version: int = PROFILE_VERSION
