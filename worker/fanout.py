@@ -49,6 +49,7 @@ from worker.runner import (
     SessionFactory,
     _Claimed,
     _fail,
+    clear_stale_staging,
     default_worker_id,
     heartbeating,
     job_error_code,
@@ -236,6 +237,8 @@ def run_part(
         "job %s part %d (%s): claimed by %s", job_id, idx, ", ".join(claimed.shards), worker_id
     )
     writer = PartProgress(sessions, job_id, attempt, idx, worker_id, cfg)
+    # What an earlier, killed attempt at this part left on this worker's disk.
+    clear_stale_staging(cfg.artifacts_dir, f"{job_id}-part{idx}")
     staging = staging_dir(cfg.artifacts_dir, f"{job_id}-part{idx}", attempt)
     uri = part_uri(store, job_id, attempt, idx)
     uploaded = False
@@ -290,7 +293,9 @@ def run_part(
         # The part goes back to the queue unsent; the sweep sends it again.
         log.error("job %s part %d: artifact store unavailable (%s)", job_id, idx, exc)
         with sessions() as s:
-            part_state.release_lost_part(s, job_id, attempt, idx, worker_id, 10**9, str(exc))
+            part_state.release_lost_part(
+                s, job_id, attempt, idx, worker_id, 10**9, str(exc), message_returns=False
+            )
         return Outcome("storage_unavailable", str(exc))
     except Exception as exc:
         code = job_error_code(exc)
@@ -320,9 +325,11 @@ def assemble(
     attempt: int,
     cfg: RunnerConfig,
     worker_id: str | None = None,
+    trigger: str = "chord",
 ) -> Outcome:
     """Assemble and publish a fanned-out job once every part is done (one assembler wins the
-    compare-and-set; a duplicate or early call is a no-op)."""
+    compare-and-set; a duplicate or early call is a no-op). `trigger` ("chord" or "sweep":
+    what sent it) is recorded in the report."""
     from higgs_engine.parts import assemble_parts
     from higgs_engine.sources import ResolvedSource
     from worker.models import resolve_model
@@ -404,7 +411,11 @@ def assemble(
             ]
             report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
             report.metrics.setdefault("service", {}).update(
-                {"worker_id": worker_id, "assembly_wall_s": round(time.perf_counter() - t0, 4)}
+                {
+                    "worker_id": worker_id,
+                    "assembly_trigger": trigger,
+                    "assembly_wall_s": round(time.perf_counter() - t0, 4),
+                }
             )
             report.save(out / "report.json")
             # (publish_result removes the parts' outputs with the job's other leftovers)

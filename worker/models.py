@@ -147,6 +147,9 @@ def _resolve_hub(
         raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hub: {exc}") from exc
     # The cache keeps each snapshot under snapshots/<commit sha>/: that name is what was read.
     sha = snap.name if _SHA.match(snap.name) else revision
+    if shards is not None and not (snap / "model.safetensors.index.json").is_file():
+        # Not sharded: there is no part to fetch alone; the whole snapshot is needed.
+        return _resolve_hub(repo_id, sha, token=token, offline=offline)
     has_weights = any(snap.glob("*.safetensors")) or (
         shards is not None and (snap / "model.safetensors.index.json").is_file()
     )

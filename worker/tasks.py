@@ -207,8 +207,10 @@ def assemble(results: Any, job_id: str, attempt: int) -> str:
     from worker.fanout import assemble as run
 
     settings = app.conf.higgs_settings
-    outcome = run(sessions_for(settings), job_id, int(attempt), _runner_config())
-    log.info("job %s assembly: %s %s", job_id, outcome.status, outcome.detail)
+    # The chord passes its parts' results; the sweep's barrier sends None.
+    trigger = "sweep" if results is None else "chord"
+    outcome = run(sessions_for(settings), job_id, int(attempt), _runner_config(), trigger=trigger)
+    log.info("job %s assembly (%s): %s %s", job_id, trigger, outcome.status, outcome.detail)
     return outcome.status
 
 

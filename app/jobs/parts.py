@@ -39,7 +39,7 @@ from app.db.models import (
     Job,
     JobPart,
 )
-from app.jobs.state import MAX_MESSAGE_CHARS, WORKER_LOST
+from app.jobs.state import MAX_MESSAGE_CHARS, WORKER_LOST, closed_stage_durations
 
 FANOUT_STAGE = "quantizing"
 ASSEMBLY_STAGES = ("packaging", "uploading")
@@ -119,12 +119,17 @@ def fan_out(
     earlier attempts replaced), stage quantizing with the parts' layers as the total. False
     when the job is no longer the coordinator's to run (cancelled, re-queued)."""
     now = utcnow()
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        session.rollback()
+        return False
     ok = _rows(
         session.execute(
             update(Job)
             .where(*_job_live(job_id, attempt), Job.worker_id == worker_id)
             .values(
                 stage=FANOUT_STAGE,
+                stage_durations=closed_stage_durations(job, now),
                 stage_started_at=now,
                 progress_done=0,
                 progress_total=sum(p.total for p in parts),
@@ -430,11 +435,13 @@ def release_lost_part(
     worker_id: str,
     max_attempts: int,
     reason: str,
+    message_returns: bool = True,
 ) -> str | None:
     """The process running the part (owned by worker_id) is gone: the part goes back to
-    queued (its message comes back to the broker), or, once max_attempts claims were used,
-    the job fails with worker_lost. Returns the part's new state, None if it was not running
-    for that worker."""
+    queued (its message comes back to the broker; with message_returns=False it is marked
+    unsent and the sweep sends it again), or, once max_attempts claims were used, the job
+    fails with worker_lost. Returns the part's new state, None if it was not running for
+    that worker."""
     part = session.get(JobPart, (job_id, idx), populate_existing=True)
     if (
         part is None
@@ -460,7 +467,12 @@ def release_lost_part(
                 JobPart.state == PART_RUNNING,
                 JobPart.worker_id == worker_id,
             )
-            .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=utcnow())
+            .values(
+                state=PART_QUEUED,
+                worker_id=None,
+                heartbeat_at=None,
+                enqueued_at=utcnow() if message_returns else None,
+            )
             .execution_options(synchronize_session=False)
         )
     )
@@ -482,12 +494,19 @@ def claim_assembly(session: Session, job_id: str, attempt: int, worker_id: str) 
         JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.state != PART_DONE
     )
     any_part = exists().where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        session.rollback()
+        return False
+    # The parts' stage ends here (its time goes to stage_durations, as a single run's does).
+    durations = closed_stage_durations(job, now)
     n = _rows(
         session.execute(
             update(Job)
             .where(*_job_live(job_id, attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part)
             .values(
                 stage="packaging",
+                stage_durations=durations,
                 stage_started_at=now,
                 progress_done=0,
                 progress_total=1,

@@ -107,7 +107,7 @@ def _owned(worker_id: str | None) -> list[ColumnElement[bool]]:
     return [Job.worker_id == worker_id] if worker_id is not None else []
 
 
-def _closed_stage_durations(job: Job, now: datetime) -> dict[str, Any]:
+def closed_stage_durations(job: Job, now: datetime) -> dict[str, Any]:
     """stage_durations with the current stage's elapsed time added."""
     durations = dict(job.stage_durations or {})
     if job.stage and job.stage_started_at is not None:
@@ -179,7 +179,7 @@ def record_progress(
         "updated_at": now,
     }
     if stage != job.stage:
-        values["stage_durations"] = _closed_stage_durations(job, now)
+        values["stage_durations"] = closed_stage_durations(job, now)
         values["stage_started_at"] = now
     return _touch_running(session, job_id, worker_id, values)
 
@@ -322,7 +322,7 @@ def succeed(
         "status": SUCCEEDED,
         "report": dict(report),
         "summary": dict(summary) if summary is not None else summary_from_report(report),
-        "stage_durations": _closed_stage_durations(job, now),
+        "stage_durations": closed_stage_durations(job, now),
         "stage": None,
         "stage_started_at": None,
         "finished_at": now,
@@ -357,7 +357,7 @@ def fail(
         "status": FAILED,
         "error_code": code[:64],
         "error_message": message[:MAX_MESSAGE_CHARS],
-        "stage_durations": _closed_stage_durations(job, now),
+        "stage_durations": closed_stage_durations(job, now),
         "finished_at": now,
         "updated_at": now,
     }
@@ -467,7 +467,7 @@ def mark_cancelled(session: Session, job_id: str, *, worker_id: str | None = Non
     values = {
         "status": CANCELLED,
         "cancel_requested": True,
-        "stage_durations": _closed_stage_durations(job, now),
+        "stage_durations": closed_stage_durations(job, now),
         "finished_at": now,
         "updated_at": now,
     }

@@ -119,6 +119,7 @@ def test_fanned_out_job_equals_a_single_run(
 
     job = job_row(sessions, job_id)
     assert job.status == "succeeded" and job.worker_id == "asm"
+    assert {"resolving", "quantizing", "packaging"} <= set(job.stage_durations or {})
     assert job.report is not None
     listed = job.report["metrics"]["parts"]
     assert [p["index"] for p in listed] == idxs
