@@ -21,6 +21,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("allocator_speed", "allocator_speed.py"),
     ("service_api", "service_bench.py --api-only"),
     ("service", "service_bench.py"),
+    ("fanout", "fanout.py"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
 HEADER = """# Benchmarks (latest measured tables)
