@@ -325,10 +325,85 @@ def get_profile(
 
 
 @dataclass(frozen=True)
+class DynamicPlan:
+    """A dynamic target's profile and allocation, and the config that quantizes with it."""
+
+    profile: ProfileResult
+    plan: Plan
+    config: HiggsConfig
+    allocating_s: float
+
+
+@dataclass(frozen=True)
 class DynamicResult:
     report: Report  # also written to out_dir/report.json
     profile: ProfileResult
     plan: Plan
+
+
+def plan_dynamic(
+    source: str | Path,
+    target: Target,
+    base: HiggsConfig = DEFAULT_CONFIG,
+    *,
+    profile: Profile | None = None,
+    profile_config: ProfileConfig = DEFAULT_PROFILE,
+    text: str | None = None,
+    stores: Sequence[ProfileStore] = (),
+    selfgen_cache: Path | None = None,
+    profile_skip: Sequence[str] | None = None,
+    menu: Sequence[Option] | None = None,
+    resolution: float = 1e-4,
+    progress: ProgressCallback | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+) -> DynamicPlan:
+    """Profile -> allocate: the stages of run_dynamic before the quantization (a single-worker
+    stage; the quantization with the plan's config may then run part by part anywhere).
+    Arguments as run_dynamic's."""
+    from higgs_engine.model_structure import quantizable_layers
+    from higgs_engine.sources import resolve_source
+
+    if profile is not None:
+        got = ProfileResult(profile, "given", 0.0)
+    else:
+        got = obtain_profile(
+            source,
+            profile_config,
+            text=text,
+            stores=stores,
+            selfgen_cache=selfgen_cache,
+            skip=base.skip if profile_skip is None else profile_skip,
+            revision=revision,
+            token=token,
+            progress=progress,
+        )
+    src = resolve_source(source, revision, token)
+    names = quantizable_layers(src.path, base.skip)
+    t1 = time.perf_counter()
+    plan = plan_allocation(
+        got.profile,
+        base,
+        target,
+        names=names,
+        options=menu,
+        resolution=resolution,
+        pareto_step=_JOB_PARETO_STEP,
+        progress=progress,
+    )
+    allocating_s = time.perf_counter() - t1
+    return DynamicPlan(got, plan, config_with_allocation(base, plan.allocation), allocating_s)
+
+
+def annotate_dynamic(rep: Report, planned: DynamicPlan, target: Target) -> Report:
+    """What run_dynamic adds to the quantization's report: alphas and predicted change, the
+    allocation, the target, and the profiling / allocating seconds."""
+    annotate_report(rep, planned.profile.profile, planned.plan.allocation)
+    rep.metrics["target"] = target.to_dict()
+    rep.timings["allocating"] = planned.allocating_s
+    if planned.profile.reused is None:
+        rep.timings["profiling"] = planned.profile.seconds
+    return rep
 
 
 def run_dynamic(
@@ -360,42 +435,28 @@ def run_dynamic(
     option menu (default: planning.options.option_menu(), every shipped grid and 16-bit).
     With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid).
     """
-    from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.pipeline import quantize_checkpoint
-    from higgs_engine.sources import resolve_source
 
-    if profile is not None:
-        got = ProfileResult(profile, "given", 0.0)
-    else:
-        got = obtain_profile(
-            source,
-            profile_config,
-            text=text,
-            stores=stores,
-            selfgen_cache=selfgen_cache,
-            skip=base.skip if profile_skip is None else profile_skip,
-            revision=revision,
-            token=token,
-            progress=progress,
-        )
-    src = resolve_source(source, revision, token)
-    names = quantizable_layers(src.path, base.skip)
-    t1 = time.perf_counter()
-    plan = plan_allocation(
-        got.profile,
-        base,
+    planned = plan_dynamic(
+        source,
         target,
-        names=names,
-        options=menu,
+        base,
+        profile=profile,
+        profile_config=profile_config,
+        text=text,
+        stores=stores,
+        selfgen_cache=selfgen_cache,
+        profile_skip=profile_skip,
+        menu=menu,
         resolution=resolution,
-        pareto_step=_JOB_PARETO_STEP,
         progress=progress,
+        revision=revision,
+        token=token,
     )
-    allocating_s = time.perf_counter() - t1
     rep = quantize_checkpoint(
         source,
         out_dir,
-        config_with_allocation(base, plan.allocation),
+        planned.config,
         progress,
         revision=revision,
         token=token,
@@ -403,10 +464,6 @@ def run_dynamic(
         device=device,
         calibration=calibration,
     )
-    annotate_report(rep, got.profile, plan.allocation)
-    rep.metrics["target"] = target.to_dict()
-    rep.timings["allocating"] = allocating_s
-    if got.reused is None:
-        rep.timings["profiling"] = got.seconds
+    annotate_dynamic(rep, planned, target)
     rep.save(Path(out_dir) / "report.json")
-    return DynamicResult(rep, got, plan)
+    return DynamicResult(rep, planned.profile, planned.plan)

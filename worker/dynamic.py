@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,6 +41,9 @@ from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 from worker.dbretry import retry_db
 from worker.models import ModelSource
+
+if TYPE_CHECKING:
+    from higgs_engine.dynamic import DynamicPlan
 
 SessionFactory = sessionmaker[Session]
 
@@ -185,6 +188,50 @@ def profile_stores(
     ]
 
 
+def plan_dynamic_job(
+    sessions: SessionFactory,
+    source: ModelSource,
+    requested_revision: str | None,
+    engine_cfg: HiggsConfig,
+    target: dict[str, float],
+    menu_p: int | None,
+    ps: ProfileSettings,
+    progress: ProgressCallback | None,
+) -> DynamicPlan:
+    """The engine's plan_dynamic for the job: every layer profiled (one profile serves every
+    job of the model), the job's menu, the service's stores."""
+    from higgs_engine.dynamic import plan_dynamic
+
+    return plan_dynamic(
+        source.path,
+        Target(**target),
+        engine_cfg,
+        profile_config=ps.engine_config(),
+        text=ps.text(),
+        stores=profile_stores(sessions, source, requested_revision, ps),
+        selfgen_cache=ps.cache_dir,
+        profile_skip=(),
+        menu=option_menu(menu_p),
+        resolution=ps.resolution,
+        progress=progress,
+    )
+
+
+def finish_dynamic_report(
+    report: Report, planned: DynamicPlan, target: dict[str, float], source: ModelSource
+) -> Report:
+    """The engine's annotations of a dynamic run, and where the profile came from."""
+    from higgs_engine.dynamic import annotate_dynamic
+
+    annotate_dynamic(report, planned, Target(**target))
+    report.metrics.setdefault("service", {})["profile"] = {
+        "reused": planned.profile.reused,
+        "seconds": round(planned.profile.seconds, 4),
+        "revision": profile_revision(source),
+    }
+    return report
+
+
 def quantize_dynamic(
     sessions: SessionFactory,
     source: ModelSource,
@@ -198,32 +245,18 @@ def quantize_dynamic(
     device: str | None = None,
     calibration: Any = None,
 ) -> Report:
-    """run_dynamic for the job: every layer profiled (one profile serves every job of the
-    model), the job's menu, the service's stores; the report says where the profile came from."""
-    from higgs_engine.dynamic import run_dynamic
+    """Profile -> allocate -> quantize for the job (as the engine's run_dynamic); the report
+    says where the profile came from."""
+    from higgs_engine.pipeline import quantize_checkpoint
 
-    result = run_dynamic(
-        source.path,
-        out,
-        Target(**target),
-        engine_cfg,
-        profile_config=ps.engine_config(),
-        text=ps.text(),
-        stores=profile_stores(sessions, source, requested_revision, ps),
-        selfgen_cache=ps.cache_dir,
-        profile_skip=(),
-        menu=option_menu(menu_p),
-        resolution=ps.resolution,
-        progress=progress,
-        device=device,
-        calibration=calibration,
+    planned = plan_dynamic_job(
+        sessions, source, requested_revision, engine_cfg, target, menu_p, ps, progress
     )
-    report = result.report
-    report.metrics.setdefault("service", {})["profile"] = {
-        "reused": result.profile.reused,
-        "seconds": round(result.profile.seconds, 4),
-        "revision": profile_revision(source),
-    }
+    report = quantize_checkpoint(
+        source.path, out, planned.config, progress, device=device, calibration=calibration
+    )
+    finish_dynamic_report(report, planned, target, source)
+    report.save(out / "report.json")
     return report
 
 

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.artifacts.manifest import sha256_file
 from app.artifacts.store import (
@@ -37,7 +37,8 @@ from app.artifacts.store import (
 )
 from app.db.models import CANCELLED, RUNNING, Job
 from app.jobs import parts as part_state
-from higgs_engine.errors import CancelledError
+from app.jobs.job_config import JobConfig
+from higgs_engine.errors import CancelledError, HiggsError
 from higgs_engine.planning.config import HiggsConfig
 from worker.dbretry import DatabaseUnavailableError, retry_db
 from worker.messages import message_roots, public_message
@@ -88,16 +89,22 @@ def part_files(formats: list[str]) -> list[str]:
 # ---------------------------------------------------------------- the coordinator
 
 
+def is_sharded(path: Path) -> bool:
+    """The checkpoint directory has a shard index naming several shards."""
+    from higgs_engine.safetensors_stream import read_weight_map
+
+    weight_map = read_weight_map(path)
+    return weight_map is not None and len(set(weight_map.values())) > 1
+
+
 def start_fanout(
     attempt: Attempt, source: ModelSource, engine_cfg: HiggsConfig, dispatch: Dispatch
 ) -> bool:
     """Fan the claimed job out when its source has several shards: parts recorded, chord
     dispatched. False when the source is not sharded (the job runs here as usual)."""
     from higgs_engine.parts import planned_layers, source_parts
-    from higgs_engine.safetensors_stream import read_weight_map
 
-    weight_map = read_weight_map(source.path)
-    if weight_map is None or len(set(weight_map.values())) < 2:
+    if not is_sharded(source.path):
         return False
     parts = source_parts(source.path)
     totals = planned_layers(source.path, parts, engine_cfg)
@@ -381,13 +388,15 @@ def assemble(
                 dirs.append(d)
                 writer("packaging", n + 1, len(views) + 1)
             requested = (claimed.request.get("model") or {}).get("revision")
+            job_cfg = JobConfig.load(claimed.config)
             source = resolve_model(
                 claimed.model_id,
                 claimed.pinned or requested,
                 models_dir=cfg.models_dir,
                 token=cfg.hf_token,
                 offline=cfg.hf_offline,
-                shards=(),
+                # A dynamic target's plan is derived again from the model's files.
+                shards=None if job_cfg.is_dynamic else (),
             )
             out = staging / "out"
             report = assemble_parts(
@@ -399,6 +408,12 @@ def assemble(
                 move=True,
                 device=cfg.device,
             )
+            if job_cfg.is_dynamic:
+                _annotate_dynamic(sessions, claimed, job_cfg, source, engine_cfg, report, cfg)
+            elif cfg.profiles is not None:
+                from worker.dynamic import annotate_uniform
+
+                annotate_uniform(sessions, source, cfg.profiles, report)
             report.metrics["parts"] = [
                 {
                     "index": v.idx,
@@ -456,3 +471,34 @@ def _download(store: ArtifactStore, uri: str, formats: list[str], dest: Path) ->
             if size:
                 for chunk in store.open_range(uri, rel, 0, size):
                     f.write(chunk)
+
+
+def _annotate_dynamic(
+    sessions: SessionFactory,
+    claimed: _Claimed,
+    job_cfg: JobConfig,
+    source: ModelSource,
+    engine_cfg: HiggsConfig,
+    report: Any,
+    cfg: RunnerConfig,
+) -> None:
+    """A dynamic job's report annotations (alphas, predicted change, allocation, target): the
+    coordinator's plan derived again from the stored profile (deterministic: same profile,
+    target and menu give the same allocation), checked against the config the parts used."""
+    from worker.dynamic import finish_dynamic_report, plan_dynamic_job
+    from worker.runner import _profiles, job_menu_p
+
+    requested = (claimed.request.get("model") or {}).get("revision")
+    planned = plan_dynamic_job(
+        sessions,
+        source,
+        requested,
+        job_cfg.higgs_config(),
+        dict(job_cfg.target),
+        job_menu_p(job_cfg, claimed.request),
+        _profiles(cfg),
+        None,
+    )
+    if planned.config.to_dict() != engine_cfg.to_dict():
+        raise HiggsError("the dynamic plan derived at assembly differs from the parts' plan")
+    finish_dynamic_report(report, planned, dict(job_cfg.target), source)

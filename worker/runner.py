@@ -50,7 +50,12 @@ from app.jobs.rows import ArtifactRow
 from app.settings import Settings
 from higgs_engine.errors import CancelledError, HiggsError, InvalidConfigError
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
-from worker.dynamic import ProfileSettings, annotate_uniform, quantize_dynamic
+from worker.dynamic import (
+    ProfileSettings,
+    annotate_uniform,
+    plan_dynamic_job,
+    quantize_dynamic,
+)
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full, message_roots, public_message, storage_error_text
 
@@ -622,20 +627,17 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         raise CancelledError("cancelled before the model was resolved")
     requested = (request.get("model") or {}).get("revision")
     job_cfg = JobConfig.load(attempt.claimed.config)
-    may_fan_out = (
-        attempt.dispatch is not None
-        and not job_cfg.is_dynamic
-        and not job_cfg.calibration
-        and not job_cfg.evaluate
-    )
+    # Dynamic targets fan out after the profile and the allocation (one worker, here).
+    may_fan_out = attempt.dispatch is not None and not job_cfg.calibration and not job_cfg.evaluate
     source = resolve_model(
         model_id,
         pinned or requested,
         models_dir=cfg.models_dir,
         token=cfg.hf_token,
         offline=cfg.hf_offline,
-        # A Hub model that may fan out: its shard index first, each part fetches its shards.
-        shards=() if may_fan_out else None,
+        # A Hub model that may fan out: its shard index first, each part fetches its shards
+        # (a dynamic target's profile needs every shard here).
+        shards=() if may_fan_out and not job_cfg.is_dynamic else None,
     )
     if source.revision and source.revision != pinned:
         revision = source.revision
@@ -649,11 +651,26 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         raise CancelledError("cancelled after the model was resolved")
     engine_cfg = job_cfg.higgs_config()
     if may_fan_out and attempt.dispatch is not None:
-        from worker.fanout import start_fanout
+        from worker.fanout import is_sharded, start_fanout
 
-        if start_fanout(attempt, source, engine_cfg, attempt.dispatch):
+        if is_sharded(source.path):
+            fan_cfg = engine_cfg
+            if job_cfg.is_dynamic:
+                # Profile + allocation once, here; every part quantizes with the plan's
+                # per-layer grids (its config's overrides).
+                fan_cfg = plan_dynamic_job(
+                    sessions,
+                    source,
+                    requested,
+                    engine_cfg,
+                    dict(job_cfg.target),
+                    job_menu_p(job_cfg, request),
+                    _profiles(cfg),
+                    writer,
+                ).config
+            start_fanout(attempt, source, fan_cfg, attempt.dispatch)
             return None
-        if source.kind == "hub":  # not sharded: every file after all
+        if source.kind == "hub" and not job_cfg.is_dynamic:  # not sharded: every file
             source = resolve_model(
                 model_id,
                 source.revision,
@@ -677,11 +694,6 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     t0 = time.perf_counter()
 
     if job_cfg.is_dynamic:
-        if cfg.profiles is None:
-            raise InvalidConfigError("this worker has no profile settings for dynamic targets")
-        menu_p = job_cfg.menu_p
-        if menu_p is None:  # a config stored before JobConfig had menu_p
-            menu_p = (request.get("options") or {}).get("p")
         report = quantize_dynamic(
             sessions,
             source,
@@ -689,8 +701,8 @@ def _run_attempt(attempt: Attempt) -> Path | None:
             out,
             engine_cfg,
             dict(job_cfg.target),
-            menu_p,
-            cfg.profiles,
+            job_menu_p(job_cfg, request),
+            _profiles(cfg),
             writer,
             device=cfg.device,
             calibration=calibration,
@@ -716,6 +728,20 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     final = publish_result(attempt, out, report, list(engine_cfg.formats), source.revision)
     log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
     return final
+
+
+def job_menu_p(job_cfg: JobConfig, request: dict[str, Any]) -> int | None:
+    """A dynamic job's option menu (options.p)."""
+    if job_cfg.menu_p is not None:
+        return job_cfg.menu_p
+    p = (request.get("options") or {}).get("p")  # a config stored before JobConfig had menu_p
+    return None if p is None else int(p)
+
+
+def _profiles(cfg: RunnerConfig) -> ProfileSettings:
+    if cfg.profiles is None:
+        raise InvalidConfigError("this worker has no profile settings for dynamic targets")
+    return cfg.profiles
 
 
 def publish_result(

@@ -266,3 +266,37 @@ def test_lost_part_is_requeued_and_the_sweep_is_the_barrier(
     assert sent_asm == [(job_id, attempt)]  # enqueue_grace_s = 0 in these settings
     assert assemble(sessions, job_id, attempt, runner_cfg, "asm").status == "succeeded"
     assert job_row(sessions, job_id).status == "succeeded"
+
+
+def test_dynamic_target_fans_out_after_one_profile_and_plan(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """avg_bits: the coordinator profiles and allocates once; the parts quantize with the
+    plan's per-layer grids; the assembled job equals the same job run on one worker."""
+    dyn = settings.model_copy(update={"profile_context": 16, "profile_windows": 1})
+    cfg = RunnerConfig.from_settings(dyn, "cpu")
+    body = {"model": {"id": MODEL}, "target": {"avg_bits": 3.5}}
+    job_id = create_job(sessions, dyn, body)
+    d = Dispatcher()
+    assert run_job(sessions, job_id, cfg, worker_id="coord", dispatch=d).status == "fanned_out"
+    _, attempt, idxs = d.sent[0]
+    job = job_row(sessions, job_id)
+    assert {"profiling", "allocating"} <= set(job.stage_durations or {})
+    part_cfg = rows(sessions, job_id)[0].engine_config
+    assert part_cfg["overrides"], "the plan's per-layer grids reach the parts"
+    for i in idxs:
+        assert run_part(sessions, job_id, attempt, i, cfg, f"w{i}").status == "succeeded"
+    assert assemble(sessions, job_id, attempt, cfg, "asm").status == "succeeded"
+    fanned = job_row(sessions, job_id)
+    assert fanned.status == "succeeded" and fanned.report is not None
+    # The same job on one worker (no dispatcher), with the profile the first one stored.
+    one = create_job(sessions, dyn, body)
+    assert run_job(sessions, one, cfg, worker_id="solo").status == "succeeded"
+    solo = job_row(sessions, one)
+    assert solo.report is not None
+    assert published(sessions, job_id) == published(sessions, one)
+    for key in ("allocation", "target", "predicted_ppl_increase"):
+        assert fanned.report["metrics"][key] == solo.report["metrics"][key], key
+    assert [(r["name"], r["p"], r["n"], r["alpha"]) for r in fanned.report["layers"]] == [
+        (r["name"], r["p"], r["n"], r["alpha"]) for r in solo.report["layers"]
+    ]
