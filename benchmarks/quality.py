@@ -250,10 +250,6 @@ def bench_model(
             "shared 2-core machine (noisy); see benchmarks/speed.py for the timing benchmark.",
         }
 
-    def save_partial(rows: list[dict[str, Any]]) -> None:
-        # partial results are on disk after every method ("complete": false until the end)
-        save(payload(rows, None, False), args.out_dir)
-
     methods = select_methods(
         [m for m in (args.methods or []) if m != DYNAMIC_METHOD] or None,
         calibrated_methods(model_dir, cal_data),
@@ -264,7 +260,13 @@ def bench_model(
         print(f"[{label}] dynamic profile: {dyn_info}", flush=True)
         methods.append(dyn)
     data["dynamic"] = dyn_info
-    rows = run_methods(
+    kept = reused_rows(args.reuse, label, data, {m.name for m in methods}) if args.reuse else []
+
+    def save_partial(rows: list[dict[str, Any]]) -> None:
+        # partial results are on disk after every method ("complete": false until the end)
+        save(payload(kept + rows, None, False), args.out_dir)
+
+    rows = kept + run_methods(
         sim,
         evaluator,
         methods,
@@ -279,6 +281,26 @@ def bench_model(
         real = real_path(model_dir, evaluator, causal)
         print(f"[{label}] real path: {real}", flush=True)
     return payload(rows, real, True)
+
+
+def reused_rows(
+    path: Path, label: str, data: dict[str, Any], running: set[str]
+) -> list[dict[str, Any]]:
+    """Rows of an earlier run of this script on the same data, for the methods not run now.
+
+    Every method here is deterministic (same weights, same windows, same code: the same
+    figures), so a long table can be completed without re-measuring what did not change; each
+    kept row names the run it comes from. Refuses a run on other data."""
+    old = json.loads(path.read_text())
+    same = ("text", "context", "windows", "sentences")
+    if old.get("model") != label or any(old["data"].get(k) != data.get(k) for k in same):
+        raise SystemExit(f"{path}: not a {label} run on the same data ({old.get('data')})")
+    when = old["environment"]["start"]["date"]
+    return [
+        {**r, "reused_from": when}
+        for r in old["rows"]
+        if r["method"] not in running and r["method"] != "base" and "error" not in r
+    ]
 
 
 def save(p: dict[str, Any], out_dir: Path) -> str:
@@ -319,7 +341,17 @@ def to_markdown(p: dict[str, Any]) -> str:
         lines += ["**PARTIAL: the run was still going when this was written.**", ""]
     order = {m.name: i for i, m in enumerate(all_methods())}
     rows = sorted(p["rows"], key=lambda r: order.get(r["method"], len(order)))
+    reused = sorted({r["reused_from"] for r in rows if r.get("reused_from")})
+    rows = [{**r, "method": r["method"] + " †"} if r.get("reused_from") else r for r in rows]
     lines += [markdown_table(rows, cols), ""]
+    if reused:
+        lines += [
+            "† measured by this script's run of "
+            + ", ".join(reused)
+            + " on the same windows with the same code (the methods are deterministic); kept "
+            "with --reuse, the other rows measured in this run.",
+            "",
+        ]
     failed = [r for r in p["rows"] if "error" in r]
     lines += [f"- {r['method']} FAILED: {r['error']}" for r in failed] + ([""] if failed else [])
     if p.get("real_path"):
@@ -377,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-real-path", action="store_true", help="skip the quantize_checkpoint check"
     )
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="JSON",
+        help="keep the rows of this earlier run (same model and data) for the methods not run now",
+    )
     ap.add_argument(
         "--profile-cache",
         type=Path,
