@@ -93,6 +93,7 @@ def tiny_model(dest: Path) -> None:
 # ---------------------------------------------------------------- 1. API against its ceiling
 
 CLIENT_COUNTS = (10, 50, 100, 200)
+LIST_PAGE = 20
 SUBMIT_BODY = {"model": {"id": "tiny"}, "target": {"bits": 4}}
 
 
@@ -101,7 +102,7 @@ def endpoints(job_id: str) -> list[tuple[str, str, str]]:
     return [
         ("hello world (GET /healthz)", "GET", "/healthz"),
         ("GET job", "GET", f"/v1/jobs/{job_id}"),
-        ("job list (GET /v1/jobs?limit=20)", "GET", "/v1/jobs?limit=20"),
+        (f"job list (GET /v1/jobs?limit={LIST_PAGE})", "GET", f"/v1/jobs?limit={LIST_PAGE}"),
         ("submit (POST /v1/jobs)", "POST", "/v1/jobs"),
     ]
 
@@ -313,14 +314,17 @@ def bench_api(
         if server_cpus:
             pin_group(api.popen.pid, server_cpus)  # spawned in its own session: pgid == pid
         key = stack.create_key("bench")
-        r = httpx.post(
-            stack.url + "/v1/jobs",
-            json=SUBMIT_BODY,
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=30,
-        )
-        r.raise_for_status()
-        job_id = r.json()["id"]
+        # LIST_PAGE jobs before any row, so that every job-list row returns a full page (the
+        # submit rows add more as the run goes on); GET job asks for the first one.
+        with httpx.Client(
+            base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ) as c:
+            ids = []
+            for _ in range(LIST_PAGE):
+                r = c.post("/v1/jobs", json=SUBMIT_BODY)
+                r.raise_for_status()
+                ids.append(r.json()["id"])
+        job_id = ids[0]
         for clients in client_counts:
             ceiling: dict[str, Any] | None = None
             for name, method, path in endpoints(job_id):
