@@ -400,6 +400,13 @@ def _wait(c: httpx.Client, job_id: str, timeout: float) -> dict[str, Any]:
     raise RuntimeError(f"job {job_id} did not finish in {timeout}s")
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="higgs-bench-jobs-"))
     models = root / "models"
@@ -407,7 +414,9 @@ def bench_jobs(n_jobs: int, with_model: bool) -> dict[str, Any]:
     tiny_model(models / "tiny")
     model_note = ""
     if with_model and (SMOLLM / "config.json").is_file():
-        (models / "smollm2-135m").symlink_to(SMOLLM)
+        # Copied in (hard links where the file system allows): the service refuses a local
+        # model that links outside its models folder.
+        shutil.copytree(SMOLLM, models / "smollm2-135m", copy_function=_link_or_copy)
     elif with_model:
         model_note = (
             f"{SMOLLM} is not prepared (python scripts/prepare_data.py); real-model part skipped"
