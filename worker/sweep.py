@@ -193,7 +193,8 @@ def sweep_fanout(
     requeue_stale: bool = True,
 ) -> dict[str, list[str]]:
     """Jobs fanned out over many workers (app.jobs.parts.sweep_parts): parts whose worker
-    stopped beating go back to the queue and are sent again, parts never sent are sent, and
+    stopped beating go back to the queue and are sent again, parts never sent (or sent over
+    queued_resend_s ago and still unclaimed: a lost message) are sent, and
     the barrier sends the assembly of jobs whose parts are all done but which no assembly
     claimed within enqueue_grace_s (the chord's message went down with its host)."""
     from app.jobs import parts
@@ -206,6 +207,7 @@ def sweep_fanout(
             settings.heartbeat_timeout_s if requeue_stale else 10.0**9,
             settings.max_attempts,
             settings.enqueue_grace_s,
+            resend_after_s=settings.queued_resend_s,
         )
     sent, assembled = [], []
     for job_id, attempt, idx in dict.fromkeys([*found.requeued, *found.unsent]):

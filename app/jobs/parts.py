@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, delete, exists, func, select, update
+from sqlalchemy import CursorResult, and_, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -567,10 +567,13 @@ def sweep_parts(
     heartbeat_timeout_s: float,
     max_attempts: int,
     barrier_grace_s: float,
+    resend_after_s: float | None = None,
 ) -> PartSweep:
     """1. running parts whose heartbeat stopped: back to queued (or the job fails with
     worker_lost once max_attempts claims were used); 2. assemblies whose heartbeat stopped:
-    the job goes back to stage quantizing; 3. queued parts never sent; 4. the barrier: jobs
+    the job goes back to stage quantizing; 3. queued parts never sent, and (resend_after_s)
+    those sent that long ago and still unclaimed (their message may be lost: a duplicate is
+    harmless, the claim is a compare-and-set); 4. the barrier: jobs
     whose parts are all done for barrier_grace_s and no assembly claimed (the chord's message
     lost with its host), and cancelled-while-waiting jobs, to send an assembly to."""
     cutoff = now - timedelta(seconds=heartbeat_timeout_s)
@@ -647,7 +650,14 @@ def sweep_parts(
             select(JobPart.job_id, JobPart.job_attempt, JobPart.idx)
             .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
             .where(
-                JobPart.state == PART_QUEUED, JobPart.enqueued_at.is_(None), Job.status == RUNNING
+                JobPart.state == PART_QUEUED,
+                Job.status == RUNNING,
+                JobPart.enqueued_at.is_(None)
+                if resend_after_s is None
+                else or_(
+                    JobPart.enqueued_at.is_(None),
+                    JobPart.enqueued_at < now - timedelta(seconds=resend_after_s),
+                ),
             )
         ).all()
     ]

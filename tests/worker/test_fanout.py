@@ -300,3 +300,18 @@ def test_dynamic_target_fans_out_after_one_profile_and_plan(
     assert [(r["name"], r["p"], r["n"], r["alpha"]) for r in fanned.report["layers"]] == [
         (r["name"], r["p"], r["n"], r["alpha"]) for r in solo.report["layers"]
     ]
+
+
+def test_parts_whose_message_was_lost_are_sent_again(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    with sessions() as s:
+        fresh = part_state.sweep_parts(s, utcnow(), 60.0, 3, 60.0, resend_after_s=3600.0)
+    assert fresh.unsent == []  # sent just now: only waiting
+    with sessions() as s:
+        assert part_state.claim_part(s, job_id, attempt, 0, "w0") is not None
+    with sessions() as s:
+        old = part_state.sweep_parts(s, utcnow(), 60.0, 3, 60.0, resend_after_s=0.0)
+    # Sent and still unclaimed past resend_after_s: sent again (the running one is not).
+    assert sorted(i for j, _, i in old.unsent if j == job_id) == idxs[1:]
