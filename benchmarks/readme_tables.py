@@ -17,6 +17,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("speed", "speed.py"),
     ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
     ("memory", "memory.py"),
+    ("calibrated_cost", "calibrated_cost.py"),
     ("dynamic", "dynamic.py"),
     ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
     ("allocator_speed", "allocator_speed.py"),
