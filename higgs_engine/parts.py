@@ -2,15 +2,21 @@
 
 Data-free HIGGS quantizes every layer on its own, so a sharded source can be split: a part is
 one or more of its safetensors shards (`list_parts`, a pure function of the shard index).
-`quantize_part` reads only its part's shards and writes, per format, one safetensors file of
+`quantize_part` reads only its part's shards and writes, per format, the artifact shard of
 the tensors those shards hold (quantized layers as codes + scales in `native`, as 16-bit
-weights in `dequantized`) and `part.json` (what the assembly needs: layer rows, the layers'
-quantization entries, the grids used, sizes). Parts may run in different processes or on
-different machines; per-layer choices (a dynamic plan's grids) come in with the HiggsConfig
-(its overrides), so every part quantizes exactly what a single run would.
+weights in `dequantized`), already under its final name in the assembled artifact (part i of
+n -> `model-0000{i+1}-of-0000N.safetensors`, N known from the shard index and the config
+alone), and `part.json` (what the assembly needs: layer rows, the layers' quantization
+entries, the grids used, tensor names, and each shard file's size and sha256). Parts may run
+in different processes or on different machines; per-layer choices (a dynamic plan's grids)
+come in with the HiggsConfig (its overrides), so every part quantizes exactly what a single
+run would.
 
-`assemble_parts` turns the parts into the usual output directory, sharded as transformers
-writes large models:
+`assemble_metadata` writes only the small files of the assembled artifacts from the parts'
+metadata (no part's shard is read): the indexes, configs and tokenizer files, the grids shard
+and report.json, so that parts' shards written straight to where the artifact is published
+need no second copy. `assemble_parts` does the same and moves (or copies) the parts' shards
+beside them, giving the usual output directory, sharded as transformers writes large models:
 
     native/model-00001-of-00007.safetensors ... (part i -> shard i+1; the grids in the last)
     native/model.safetensors.index.json         {"metadata": {"total_size": N}, "weight_map"}
@@ -25,6 +31,7 @@ in any order gives byte-identical files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
     from higgs_engine.sources import ResolvedSource
 
 PART_META = "part.json"
-PART_FORMAT_VERSION = 1
+PART_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,35 @@ def source_parts(path: Path, shards_per_part: int = 1) -> list[Part]:
 def shard_name(i: int, n: int) -> str:
     """transformers' name for shard i (0-based) of n."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def planned_grids(path: Path, config: HiggsConfig) -> list[tuple[int, int]]:
+    """The (p, n) grids a run of `config` over the sharded checkpoint `path` uses, from its
+    shard index alone (the native artifact's last shard holds them)."""
+    _, plans = _plans(path, load_config(path), config)
+    return sorted({(int(pl.grid[0]), int(pl.grid[1])) for pl in plans if pl.grid is not None})
+
+
+def shard_counts(n_parts: int, formats: Sequence[str], with_grids: bool) -> dict[str, int]:
+    """Shards per format of an artifact assembled from n_parts parts (native: one more for
+    the grids when any layer is quantized)."""
+    return {fmt: n_parts + 1 if fmt == "native" and with_grids else n_parts for fmt in formats}
+
+
+def part_shard_files(
+    index: int, n_parts: int, formats: Sequence[str], with_grids: bool
+) -> dict[str, str]:
+    """{format: path inside the artifact} of part `index`'s shard files."""
+    counts = shard_counts(n_parts, formats, with_grids)
+    return {fmt: f"{fmt}/{shard_name(index, counts[fmt])}" for fmt in formats}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _all_keys(path: Path) -> list[str]:
@@ -141,12 +177,17 @@ def quantize_part(
     progress: ProgressCallback | None = None,
     *,
     device: str | None = None,
+    n_parts: int | None = None,
 ) -> PartResult:
     """Quantize the tensors of `part`'s shards of the sharded checkpoint directory `source`
     into `out_dir` (which must not exist; removed again on any error or cancellation).
 
-    Only the part's shards are opened (plus config.json and the shard index). progress is
-    called with stage "quantizing" (done/total = this part's layers); returning False cancels.
+    out_dir gets, per format, the part's shard under its name in the assembled artifact
+    (`<format>/model-0000{i+1}-of-0000N.safetensors`; n_parts: how many parts the source is
+    split into, default one per shard) and part.json, whose "files" lists each shard's path,
+    bytes and sha256. Only the part's shards are opened (plus config.json and the shard
+    index). progress is called with stage "quantizing" (done/total = this part's layers);
+    returning False cancels.
     """
     from higgs_engine.artifacts import ArtifactWriter
     from higgs_engine.device import resolve_device
@@ -159,6 +200,12 @@ def quantize_part(
         raise FileExistsError(f"part output {str(out_dir)!r} already exists")
     hf_config = load_config(source)
     _, plans = _plans(source, hf_config, config)
+    if n_parts is None:
+        n_parts = len(source_parts(source))
+    if not 0 <= part.index < n_parts:
+        raise InvalidConfigError(f"part index {part.index} is not one of {n_parts} parts")
+    with_grids = any(pl.grid is not None for pl in plans)
+    names = part_shard_files(part.index, n_parts, config.formats, with_grids)
     ctx = _RunContext(
         source=source,
         tmp=out_dir,
@@ -187,11 +234,18 @@ def quantize_part(
             except BaseException:
                 writer.abort()
                 raise
+            files: dict[str, dict[str, Any]] = {}
+            for fmt, rel in names.items():
+                os.replace(out_dir / fmt / "model.safetensors", out_dir / rel)
+                files[rel] = {"bytes": (out_dir / rel).stat().st_size}
+                files[rel]["sha256"] = _sha256(out_dir / rel)
             keys = reader.keys()
             grid_bytes = writer.grid_bytes
             meta: dict[str, Any] = {
                 "format_version": PART_FORMAT_VERSION,
                 **part.to_dict(),
+                "n_parts": n_parts,
+                "files": files,
                 "config": config.to_dict(),
                 "keys": keys,
                 "params": sum(reader.numel(k) for k in keys),
@@ -244,25 +298,55 @@ def _write_index(fmt_dir: Path, weight_map: dict[str, str], total_size: int) -> 
     (fmt_dir / SHARD_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def assemble_parts(
+def check_parts(metas: Sequence[Mapping[str, Any]], config: HiggsConfig) -> list[dict[str, Any]]:
+    """Every part's metadata (part.json) sorted by index, checked to be every part 0..n-1
+    exactly once, of this config, naming the shard files an assembly of n parts expects."""
+    ordered = sorted((dict(m) for m in metas), key=lambda m: int(m.get("index", -1)))
+    n = len(ordered)
+    for m in ordered:
+        if not isinstance(m, dict) or m.get("format_version") != PART_FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"part {m.get('index')!r} is not a part of format {PART_FORMAT_VERSION}"
+            )
+    if [m["index"] for m in ordered] != list(range(n)) or not n:
+        raise InvalidConfigError(
+            f"parts {[m['index'] for m in ordered]} are not every part 0..{n - 1} exactly once"
+        )
+    with_grids = any(m["grids"] for m in ordered)
+    for m in ordered:
+        if m["config"] != config.to_dict():
+            raise InvalidConfigError(f"part {m['index']} was quantized with another config")
+        want = set(part_shard_files(m["index"], n, config.formats, with_grids).values())
+        if int(m["n_parts"]) != n or set(m["files"]) != want:
+            raise InvalidConfigError(
+                f"part {m['index']} wrote {sorted(m['files'])} as part of {m['n_parts']}; "
+                f"an assembly of {n} parts needs {sorted(want)}"
+            )
+    return ordered
+
+
+def assemble_metadata(
     source: Path,
-    part_dirs: Sequence[Path],
+    metas: Sequence[Mapping[str, Any]],
     out_dir: Path,
     config: HiggsConfig,
     progress: ProgressCallback | None = None,
     *,
     resolved: ResolvedSource | None = None,
-    move: bool = False,
     timings: Mapping[str, float] | None = None,
     device: str | None = None,
 ) -> Report:
-    """Assemble every part of a sharded source into `out_dir` (which must not exist) and
-    return the run's Report (also written as out_dir/report.json).
+    """The small files of the artifacts assembled from every part of a sharded source, written
+    into `out_dir` (which must not exist): per format the shard index (weight map and total
+    size), config.json and the tokenizer files, the native grids shard, and report.json.
+    Returns the run's Report.
 
-    `source` needs only config.json, the shard index and the tokenizer files (no shard is
-    read). `part_dirs` is every part's output, in any order. move=True moves the parts' files
-    instead of copying them. The report's metrics["parts"] lists each part (index, shards,
-    seconds)."""
+    Nothing of the parts' shards is read: `metas` is every part's part.json (in any order),
+    whose "files" give each shard's size; the shards themselves go beside these files under
+    the names part.json lists (assemble_parts moves them; a fanned-out job's parts wrote them
+    where the artifact is published). `source` needs only config.json, the shard index and
+    the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
+    seconds) and its `files` every file of each format, the parts' shards included."""
     from higgs_engine.artifacts import quantization_config, write_configs
     from higgs_engine.device import resolve_device
     from higgs_engine.pipeline import _build_report, _RunContext, _Written
@@ -270,55 +354,53 @@ def assemble_parts(
 
     t0 = time.perf_counter()
     source = Path(source)
-    metas = sorted((read_part(d) | {"_dir": str(d)} for d in part_dirs), key=lambda m: m["index"])
-    n = len(metas)
-    if [m["index"] for m in metas] != list(range(n)) or not n:
-        raise InvalidConfigError(
-            f"parts {[m['index'] for m in metas]} are not every part 0..{n - 1} exactly once"
-        )
-    for m in metas:
-        if m["config"] != config.to_dict():
-            raise InvalidConfigError(f"part {m['index']} was quantized with another config")
+    ordered = check_parts(metas, config)
+    n = len(ordered)
     report(progress, "packaging", 0, 1)
     hf_config = load_config(source)
     specs, plans = _plans(source, hf_config, config)
-    grids = sorted({(int(p), int(q)) for m in metas for p, q in m["grids"]})
+    grids = sorted({(int(p), int(q)) for m in ordered for p, q in m["grids"]})
+    planned = sorted({(int(pl.grid[0]), int(pl.grid[1])) for pl in plans if pl.grid is not None})
+    if grids != planned:
+        raise CorruptCheckpointError(f"the parts used the grids {grids}, the plan has {planned}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=False)
     try:
         files: dict[str, dict[str, int]] = {}
         grid_bytes = 0
+        counts = shard_counts(n, config.formats, bool(grids))
         for fmt in config.formats:
             fmt_dir = out_dir / fmt
             fmt_dir.mkdir()
-            with_grids = fmt == "native" and bool(grids)
-            count = n + 1 if with_grids else n
+            count = counts[fmt]
             weight_map: dict[str, str] = {}
+            sizes: dict[str, int] = {}
             total_size = 0
-            for i, m in enumerate(metas):
+            for i, m in enumerate(ordered):
                 name = shard_name(i, count)
-                _place(Path(m["_dir"]) / fmt / "model.safetensors", fmt_dir / name, move)
                 weight_map.update(dict.fromkeys(m["tensors"][fmt]["names"], name))
                 total_size += int(m["tensors"][fmt]["bytes"])
-            if with_grids:
+                sizes[name] = int(m["files"][f"{fmt}/{name}"]["bytes"])
+            if count > n:
                 grid_bytes, names = _write_grid_shard(fmt_dir / shard_name(n, count), grids)
                 weight_map.update(dict.fromkeys(names, shard_name(n, count)))
                 total_size += grid_bytes
             _write_index(fmt_dir, weight_map, total_size)
-            layers = {k: v for m in metas for k, v in m["layers"].items()}
-            kept = [k for m in metas for k in m["kept"]]
+            layers = {k: v for m in ordered for k, v in m["layers"].items()}
+            kept = [k for m in ordered for k in m["kept"]]
             qc = (
                 quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
                 if fmt == "native"
                 else None
             )
             write_configs(fmt_dir, source, config.dtype, qc)
-            files[fmt] = {p.name: p.stat().st_size for p in sorted(fmt_dir.iterdir())}
+            sizes.update({p.name: p.stat().st_size for p in fmt_dir.iterdir()})
+            files[fmt] = dict(sorted(sizes.items()))
         if not grid_bytes and grids:
             from higgs_engine.grids import get_grid
 
             grid_bytes = sum(get_grid(p, q).numel() * 4 for p, q in grids)
-        rows = {name: LayerReport(**row) for m in metas for name, row in m["rows"].items()}
+        rows = {name: LayerReport(**row) for m in ordered for name, row in m["rows"].items()}
         missing = [s.name for s in specs if s.name not in rows]
         if missing:
             raise CorruptCheckpointError(f"no part holds the layers {missing[:5]}")
@@ -326,9 +408,9 @@ def assemble_parts(
             rows=rows,
             files=files,
             grid_bytes=grid_bytes,
-            native_bytes=sum(int(m["native_bytes"]) for m in metas) + grid_bytes,
-            bytes_before=sum(int(m["bytes_before"]) for m in metas),
-            params_total=sum(int(m["params"]) for m in metas),
+            native_bytes=sum(int(m["native_bytes"]) for m in ordered) + grid_bytes,
+            bytes_before=sum(int(m["bytes_before"]) for m in ordered),
+            params_total=sum(int(m["params"]) for m in ordered),
             calibration=None,
         )
         ctx = _RunContext(
@@ -345,19 +427,59 @@ def assemble_parts(
             timings=dict(timings or {}),
         )
         ctx.timings["quantizing"] = ctx.timings.get(
-            "quantizing", sum(float(m["seconds"]) for m in metas)
+            "quantizing", sum(float(m["seconds"]) for m in ordered)
         )
         ctx.timings["packaging"] = time.perf_counter() - t0
         src = resolved or ResolvedSource(source, str(source), None, "local")
         rep = _build_report(ctx, src, hf_config, specs, plans, written)
         rep.metrics["parts"] = [
-            {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in metas
+            {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in ordered
         ]
         rep.save(out_dir / "report.json")
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
     report(progress, "packaging", 1, 1)
+    return rep
+
+
+def assemble_parts(
+    source: Path,
+    part_dirs: Sequence[Path],
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    resolved: ResolvedSource | None = None,
+    move: bool = False,
+    timings: Mapping[str, float] | None = None,
+    device: str | None = None,
+) -> Report:
+    """Assemble every part of a sharded source into `out_dir` (which must not exist) and
+    return the run's Report (also written as out_dir/report.json).
+
+    The small files come from assemble_metadata; each part's shards (in `part_dirs`, every
+    part's output directory in any order) go beside them, moved with move=True (one rename
+    each), else copied."""
+    metas = [read_part(d) for d in part_dirs]
+    where = {int(m["index"]): Path(d) for m, d in zip(metas, part_dirs, strict=True)}
+    rep = assemble_metadata(
+        source,
+        metas,
+        out_dir,
+        config,
+        progress,
+        resolved=resolved,
+        timings=timings,
+        device=device,
+    )
+    try:
+        for m in metas:
+            for rel in sorted(m["files"]):
+                _place(where[int(m["index"])] / rel, Path(out_dir) / rel, move)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     return rep
 
 

@@ -375,7 +375,9 @@ def _run_parts(ctx: _RunContext, src: ResolvedSource, t_start: float) -> Report:
                 return ctx.progress(stage, offset + done, total)
 
             d = scratch / f"part-{part.index:05d}"
-            quantize_part(src.path, part, d, ctx.config, progress, device=str(ctx.device))
+            quantize_part(
+                src.path, part, d, ctx.config, progress, device=str(ctx.device), n_parts=len(parts)
+            )
             dirs.append(d)
             offset += totals[part.index]
         ctx.timings["quantizing"] = time.perf_counter() - t0

@@ -6,39 +6,49 @@
         group(run_part(job, attempt, i) for each part) | assemble(job, attempt)
     run_part (any worker): claims its part (compare-and-set), fetches only its own shards,
         quantizes them (higgs_engine.parts.quantize_part) with progress + heartbeats on the
-        part row (summed into the job's), uploads the part's output under the job's
-        parts-<attempt>/ prefix in the artifact store and marks the part done
+        part row (summed into the job's) and writes its shard files (native and dequantized,
+        named by the part plan: model-0000k-of-0000N.safetensors) straight to where the
+        published artifact will be: the job attempt's artifact location in the store, which
+        no artifact row names until the assembly publishes it (a local store: one rename).
+        The part row records the part's metadata (every file's bytes and sha256, tensor
+        names, layer rows) and the part is done
     assemble (the chord's callback, or the sweep's barrier when a host died and took the
-        chord's message with it): claims the assembly once every part is done, downloads the
-        parts, assembles the sharded artifacts (higgs_engine.parts.assemble_parts), publishes
-        them like any job (worker.runner.publish_result) and removes the parts' objects
+        chord's message with it): claims the assembly once every part is done, checks that
+        every part's shard is in the store with its recorded size, writes only the small files
+        from the parts' recorded metadata and the source's small files
+        (higgs_engine.parts.assemble_metadata: the indexes, configs, tokenizer files, the
+        grids shard, report.json), puts those beside the parts' shards and publishes the
+        artifact rows (every file with its sha256, the parts' included) in one transaction.
+        No weight shard is downloaded or uploaded again
 
 A part that fails for a reason other than a lost worker fails the job with its error and
 cancels its siblings; a cancel stops every part, publishes nothing and removes every part's
 output. A part whose process died goes back to the queue (bounded attempts) through the
-pool's WorkerLostError (worker.tasks.PartRequest) or the part sweep (app.jobs.parts).
+pool's WorkerLostError (worker.tasks.PartRequest) or the part sweep (app.jobs.parts); its
+next run writes the same keys again (same bytes).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.artifacts.manifest import sha256_file
+from app.artifacts.manifest import manifest_sha256, sha256_file
 from app.artifacts.store import (
     ArtifactStore,
     LocalStore,
     StoreUnavailableError,
     UploadFile,
     join_uri,
+    uri_path,
 )
-from app.db.models import CANCELLED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING, Job
 from app.jobs import parts as part_state
 from app.jobs.job_config import JobConfig
-from higgs_engine.errors import CancelledError, HiggsError
+from app.jobs.rows import ArtifactRow, FileRow
+from higgs_engine.errors import CancelledError, CorruptCheckpointError, HiggsError
 from higgs_engine.planning.config import HiggsConfig
 from worker.dbretry import DatabaseUnavailableError, retry_db
 from worker.messages import message_roots, public_message
@@ -52,9 +62,10 @@ from worker.runner import (
     _fail,
     clear_stale_staging,
     default_worker_id,
+    drop_other_attempts,
     heartbeating,
     job_error_code,
-    publish_result,
+    record_success,
     remove_tree,
     staging_dir,
 )
@@ -65,25 +76,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("worker.fanout")
 
-PART_META = "part.json"
-
 
 def part_store(cfg: RunnerConfig) -> ArtifactStore:
     return cfg.store if cfg.store is not None else LocalStore(cfg.artifacts_dir)
 
 
-def parts_uri(store: ArtifactStore, job_id: str, attempt: int) -> str:
-    """Where the parts of one attempt put their output (under the job's prefix: removed with
-    the job's other leftovers, never named by an artifact row)."""
-    return store.attempt_uri(job_id, f"parts-{attempt}")
+def attempt_name(job_id: str, attempt: int) -> str:
+    """The artifact location's name of a fanned-out job attempt: fixed, so that every part
+    knows it (a single-worker attempt's has a random suffix)."""
+    return f"{job_id}.{attempt}.parts"
 
 
-def part_uri(store: ArtifactStore, job_id: str, attempt: int, idx: int) -> str:
-    return join_uri(parts_uri(store, job_id, attempt), f"part-{idx:05d}")
-
-
-def part_files(formats: list[str]) -> list[str]:
-    return [PART_META, *(f"{fmt}/model.safetensors" for fmt in formats)]
+def artifact_uri(store: ArtifactStore, job_id: str, attempt: int) -> str:
+    """Where a fanned-out attempt's artifact is published (formats are folders below it); the
+    parts write their shards there, the assembly the small files."""
+    return store.attempt_uri(job_id, attempt_name(job_id, attempt))
 
 
 # ---------------------------------------------------------------- the coordinator
@@ -247,8 +254,7 @@ def run_part(
     # What an earlier, killed attempt at this part left on this worker's disk.
     clear_stale_staging(cfg.artifacts_dir, f"{job_id}-part{idx}")
     staging = staging_dir(cfg.artifacts_dir, f"{job_id}-part{idx}", attempt)
-    uri = part_uri(store, job_id, attempt, idx)
-    uploaded = False
+    uri = artifact_uri(store, job_id, attempt)
     t0 = time.perf_counter()
     try:
         with heartbeating(writer, cfg.heartbeat_interval_s):
@@ -264,37 +270,45 @@ def run_part(
             )
             out = staging / "part"
             staging.mkdir(parents=True, exist_ok=True)
-            quantize_part(
-                source.path, Part(idx, claimed.shards), out, engine_cfg, writer, device=cfg.device
+            result = quantize_part(
+                source.path,
+                Part(idx, claimed.shards),
+                out,
+                engine_cfg,
+                writer,
+                device=cfg.device,
+                n_parts=claimed.n_parts or None,
             )
             if writer("uploading", 0, 1) is False:
-                raise CancelledError("cancelled before the part was uploaded")
+                raise CancelledError("cancelled before the part was stored")
             files = [
-                UploadFile(p, out / p, sha256_file(out / p))
-                for p in part_files(list(engine_cfg.formats))
+                UploadFile(rel, out / rel, str(f["sha256"]))
+                for rel, f in sorted(result.meta["files"].items())
             ]
-            uploaded = True
-            if not store.upload(uri, files, lambda: writer.stop.is_set()):
-                raise CancelledError("cancelled while uploading the part")
+            # Straight to the attempt's artifact location (a retry writes the same keys).
+            if not store.put(uri, files, lambda: writer.stop.is_set()):
+                raise CancelledError("cancelled while storing the part")
             seconds = time.perf_counter() - t0
 
             def finish() -> bool:
                 with sessions() as s:
-                    return part_state.finish_part(s, job_id, attempt, idx, worker_id, seconds, uri)
+                    return part_state.finish_part(
+                        s, job_id, attempt, idx, worker_id, seconds, uri, result.meta
+                    )
 
             if not retry_db(finish, f"end of job {job_id} part {idx}", cfg.db_retry_s):
-                raise CancelledError("the job stopped while the part was uploaded")
+                raise CancelledError("the job stopped while the part was stored")
         log.info("job %s part %d: done in %.2f s", job_id, idx, seconds)
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
         log.error("job %s part %d: attempt abandoned: %s", job_id, idx, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
-        if uploaded:
-            with contextlib.suppress(Exception):
-                store.delete_tree(uri)
         if _cancel_if_asked(sessions, store, job_id, attempt):
             return Outcome("cancelled", str(exc))
+        # Lost: the part's next run writes the same keys; a job attempt that ended without
+        # success has its objects removed here (nothing of it can be published any more).
+        _drop_if_dead(sessions, store, job_id, attempt)
         return Outcome("lost", str(exc))
     except StoreUnavailableError as exc:
         # The part goes back to the queue unsent; the sweep sends it again.
@@ -308,9 +322,6 @@ def run_part(
         code = job_error_code(exc)
         message = public_message(exc, message_roots(cfg))
         log.warning("job %s part %d failed: %s: %s", job_id, idx, code, message)
-        if uploaded:
-            with contextlib.suppress(Exception):
-                store.delete_tree(uri)
 
         def fail() -> bool:
             with sessions() as s:
@@ -318,9 +329,27 @@ def run_part(
 
         if retry_db(fail, f"failure of job {job_id} part {idx}", cfg.db_retry_s):
             _remove_parts(store, job_id, attempt)
+        else:
+            _drop_if_dead(sessions, store, job_id, attempt)
         return Outcome("failed", f"{code}: {message}")
     finally:
         remove_tree(staging)
+
+
+def _drop_if_dead(
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+) -> None:
+    """Remove the attempt's artifact location when the job ended without success or moved on
+    to another attempt (what a part wrote there late can never be published)."""
+    try:
+        job = _snapshot(sessions, job_id)
+    except Exception:  # the database away: the job's end or next attempt clears it
+        return
+    if job is None or job.attempts != attempt or job.status in (FAILED, CANCELLED):
+        try:
+            store.delete_tree(artifact_uri(store, job_id, attempt))
+        except StoreUnavailableError as e:
+            log.warning("job %s: a stopped attempt's objects not removed: %s", job_id, e)
 
 
 # ---------------------------------------------------------------- the assembly
@@ -337,7 +366,7 @@ def assemble(
     """Assemble and publish a fanned-out job once every part is done (one assembler wins the
     compare-and-set; a duplicate or early call is a no-op). `trigger` ("chord" or "sweep":
     what sent it) is recorded in the report."""
-    from higgs_engine.parts import assemble_parts
+    from higgs_engine.parts import assemble_metadata
     from higgs_engine.sources import ResolvedSource
     from worker.models import resolve_model
 
@@ -371,6 +400,7 @@ def assemble(
     )
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     at = Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed)
+    uri = artifact_uri(store, job_id, attempt)
     t0 = time.perf_counter()
     try:
         with heartbeating(writer, cfg.heartbeat_interval_s):
@@ -378,14 +408,11 @@ def assemble(
                 views = part_state.parts_of(s, job_id, attempt)
             engine_cfg = HiggsConfig.from_dict(views[0].engine_config)
             formats = list(engine_cfg.formats)
+            metas = _part_metas(views, uri)
             writer("packaging", 0, len(views) + 1)
-            dirs = []
+            # Every part's shard where its part said, with its recorded size (no byte read).
             for n, v in enumerate(views):
-                d = staging / "parts" / f"part-{v.idx:05d}"
-                _download(
-                    store, v.output_uri or part_uri(store, job_id, attempt, v.idx), formats, d
-                )
-                dirs.append(d)
+                _check_stored(store, uri, v.idx, metas[n])
                 writer("packaging", n + 1, len(views) + 1)
             requested = (claimed.request.get("model") or {}).get("revision")
             job_cfg = JobConfig.load(claimed.config)
@@ -399,13 +426,12 @@ def assemble(
                 shards=None if job_cfg.is_dynamic else (),
             )
             out = staging / "out"
-            report = assemble_parts(
+            report = assemble_metadata(
                 source.path,
-                dirs,
+                metas,
                 out,
                 engine_cfg,
                 resolved=ResolvedSource(source.path, source.id, source.revision, source.kind),  # type: ignore[arg-type]
-                move=True,
                 device=cfg.device,
             )
             if job_cfg.is_dynamic:
@@ -433,11 +459,13 @@ def assemble(
                 }
             )
             report.save(out / "report.json")
-            # (publish_result removes the parts' outputs with the job's other leftovers)
-            publish_result(at, out, report, formats, source.revision)
+            rows = _publish_small_files(at, store, uri, out, formats, metas)
+            record_success(at, report, rows, source.revision)
+        drop_other_attempts(at, uri, uri_path(uri) if cfg.store is None else out)
         log.info("job %s: assembled from %d parts by %s", job_id, len(views), worker_id)
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
+        # The parts' files stay where they are for the assembly's next run.
         log.error("job %s: assembly abandoned: %s", job_id, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
@@ -451,7 +479,7 @@ def assemble(
         return Outcome("cancelled", str(exc))
     except StoreUnavailableError as exc:
         # The job's stage goes back to the parts' once its heartbeat stops; the barrier
-        # sends the assembly again.
+        # sends the assembly again (the parts' files stay).
         log.error("job %s: assembly: artifact store unavailable (%s)", job_id, exc)
         return Outcome("storage_unavailable", str(exc))
     except Exception as exc:
@@ -462,15 +490,78 @@ def assemble(
         remove_tree(staging)
 
 
-def _download(store: ArtifactStore, uri: str, formats: list[str], dest: Path) -> None:
-    for rel in part_files(formats):
+def _part_metas(views: list[part_state.PartView], uri: str) -> list[dict[str, Any]]:
+    """Every part's recorded metadata; each part must have stored its files under `uri`."""
+    metas = []
+    for v in views:
+        if v.output is None or v.output_uri != uri:
+            raise CorruptCheckpointError(
+                f"part {v.idx} is done but recorded no output under the job attempt's artifact "
+                f"location (it recorded {v.output_uri!r})"
+            )
+        metas.append(v.output)
+    return metas
+
+
+def _check_stored(store: ArtifactStore, uri: str, idx: int, meta: dict[str, Any]) -> None:
+    for rel, f in sorted(meta["files"].items()):
         size = store.stat(uri, rel)
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
-            if size:
-                for chunk in store.open_range(uri, rel, 0, size):
-                    f.write(chunk)
+        if size != int(f["bytes"]):
+            raise CorruptCheckpointError(
+                f"part {idx}'s file {rel!r} has {size} bytes in the store, not the "
+                f"{f['bytes']} the part recorded"
+            )
+
+
+def _publish_small_files(
+    at: Attempt,
+    store: ArtifactStore,
+    uri: str,
+    out: Path,
+    formats: list[str],
+    metas: list[dict[str, Any]],
+) -> list[ArtifactRow]:
+    """Put the assembly's small files beside the parts' shards under `uri` and return the
+    artifact rows naming every file (the parts' with the sha256 they recorded). Open multipart
+    uploads left under `uri` by a part's lost run are aborted."""
+    small: list[UploadFile] = []
+    listed: dict[str, list[FileRow]] = {fmt: [] for fmt in formats}
+    for fmt in formats:
+        for p in sorted((out / fmt).iterdir()):
+            sha = sha256_file(p)
+            small.append(UploadFile(f"{fmt}/{p.name}", p, sha))
+            listed[fmt].append(FileRow(p.name, p.stat().st_size, sha))
+    for m in metas:
+        for rel, f in m["files"].items():
+            fmt, name = rel.split("/", 1)
+            listed[fmt].append(FileRow(name, int(f["bytes"]), str(f["sha256"])))
+    if at.cfg.store is None:  # a local artifact directory holds its report like publish()'s
+        small.append(UploadFile("report.json", out / "report.json", ""))
+    done = 0
+
+    def should_stop() -> bool:
+        nonlocal done
+        go = at.writer("uploading", done, len(small))
+        done += 1
+        return not go
+
+    if not store.put(uri, small, should_stop):
+        raise CancelledError("cancelled while storing the artifacts' small files")
+    at.writer("uploading", len(small), len(small))
+    store.abort_uploads(uri)
+    rows = []
+    for fmt in formats:
+        files = tuple(sorted(listed[fmt], key=lambda f: f.path))
+        rows.append(
+            ArtifactRow(
+                format=fmt,
+                uri=join_uri(uri, fmt),
+                files=files,
+                total_bytes=sum(f.bytes for f in files),
+                sha256=manifest_sha256((f.path, f.sha256) for f in files),
+            )
+        )
+    return rows
 
 
 def _annotate_dynamic(

@@ -750,60 +750,79 @@ def publish_result(
     """Upload (or move into artifacts_dir) a finished output directory, record the job as
     succeeded with its report, layer and artifact rows in one transaction, and drop what
     earlier attempts left. Nothing stays published when the success cannot be recorded."""
-    sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
-    cfg, writer, staging = attempt.cfg, attempt.writer, attempt.staging
+    cfg, writer = attempt.cfg, attempt.writer
     if writer.stop.is_set():
         raise CancelledError("cancelled while packaging")
     store = cfg.store
     if store is not None:
-        uri, rows = _upload(store, out, job_id, staging.name, formats, writer)
+        uri, rows = _upload(store, out, attempt.job_id, attempt.staging.name, formats, writer)
         final = out
     else:
-        uri, final = "", publish(out, cfg.artifacts_dir, job_id, staging.name)
+        uri, final = "", publish(out, cfg.artifacts_dir, attempt.job_id, attempt.staging.name)
     try:
         if store is None:
             rows = artifact_rows(final, formats)
-        report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
-        tries = 0
-
-        def record() -> None:
-            nonlocal tries
-            tries += 1
-            try:
-                with sessions() as s:
-                    state.succeed(
-                        s,
-                        job_id,
-                        report_dict,
-                        None,
-                        rows,
-                        worker_id=worker_id,
-                        model_revision=model_revision,
-                    )
-            except state.IllegalTransitionError:
-                # A retry after a commit whose reply was lost finds the job already ours.
-                if tries > 1 and _ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
-                    return
-                raise
-
-        retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
+        record_success(attempt, report, rows, model_revision)
     except BaseException:
         # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
         if store is not None:
             with contextlib.suppress(Exception):  # a store that is away: the next attempt clears
                 store.delete_tree(uri)
         remove_tree(final)
-        remove_empty_job_dir(cfg.artifacts_dir, job_id)
+        remove_empty_job_dir(cfg.artifacts_dir, attempt.job_id)
         raise
-    # Exactly one published artifact set per job: drop what earlier attempts left behind.
-    if store is not None:
+    drop_other_attempts(attempt, uri if store is not None else None, final)
+    return final
+
+
+def record_success(
+    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
+) -> None:
+    """The job succeeded with its report, layer and artifact rows: one transaction (retried
+    while the database is away; a retry after a commit whose reply was lost is no error)."""
+    sessions, job_id, worker_id, cfg = (
+        attempt.sessions,
+        attempt.job_id,
+        attempt.worker_id,
+        attempt.cfg,
+    )
+    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+    tries = 0
+
+    def record() -> None:
+        nonlocal tries
+        tries += 1
         try:
-            store.clear_job(job_id, keep=uri)
+            with sessions() as s:
+                state.succeed(
+                    s,
+                    job_id,
+                    report_dict,
+                    None,
+                    rows,
+                    worker_id=worker_id,
+                    model_revision=model_revision,
+                )
+        except state.IllegalTransitionError:
+            # A retry after a commit whose reply was lost finds the job already ours.
+            if tries > 1 and _ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
+                return
+            raise
+
+    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
+
+
+def drop_other_attempts(attempt: Attempt, uri: str | None, final: Path) -> None:
+    """Exactly one published artifact set per job: drop what earlier attempts left behind
+    (`uri` in the store, or the local directory `final` when there is no store)."""
+    cfg, job_id = attempt.cfg, attempt.job_id
+    if cfg.store is not None:
+        try:
+            cfg.store.clear_job(job_id, keep=uri)
         except StoreUnavailableError as e:
             log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)
     else:
         prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
-    return final
 
 
 def load_job_calibration(

@@ -117,6 +117,20 @@ class ArtifactStore(ABC):
         so between files."""
 
     @abstractmethod
+    def put(
+        self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
+    ) -> bool:
+        """Write files under root_uri beside what is there (the parts of one artifact written
+        by many workers), replacing a file of the same path. A stop between files (False) or
+        an error removes nothing else: the files written so far stay, a multipart upload under
+        way is aborted. The local files are consumed: LocalStore renames them into place (one
+        filesystem, no copy)."""
+
+    @abstractmethod
+    def abort_uploads(self, root_uri: str) -> None:
+        """Abort every multipart upload still open under root_uri (objects stay)."""
+
+    @abstractmethod
     def delete_tree(self, root_uri: str) -> None:
         """Remove everything under root_uri (and abort open multipart uploads there)."""
 
@@ -204,6 +218,29 @@ class LocalStore(ArtifactStore):
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f.local, dest)
         return True
+
+    def put(
+        self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
+    ) -> bool:
+        root = uri_path(root_uri)
+        for f in files:
+            if should_stop():
+                return False
+            dest = root / f.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(f.local, dest)
+            except OSError:  # another filesystem: a copy under a temporary name, then a rename
+                tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+                try:
+                    shutil.copyfile(f.local, tmp)
+                    os.replace(tmp, dest)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        return True
+
+    def abort_uploads(self, root_uri: str) -> None:
+        return None
 
     def delete_tree(self, root_uri: str) -> None:
         shutil.rmtree(uri_path(root_uri), ignore_errors=True)
@@ -405,6 +442,59 @@ class S3Store(ArtifactStore):
             raise
         return True
 
+    def put(
+        self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
+    ) -> bool:
+        from boto3.s3.transfer import TransferConfig
+
+        cfg = TransferConfig(
+            multipart_threshold=self.part_size,
+            multipart_chunksize=self.part_size,
+            max_concurrency=4,
+        )
+        for f in files:
+            if should_stop():
+                return False
+            bucket, key = self._object(root_uri, f.path)
+            try:
+                with self._calls("upload"):
+                    self.client.upload_file(
+                        str(f.local),
+                        bucket,
+                        key,
+                        ExtraArgs={"Metadata": {"sha256": f.sha256}},
+                        Config=cfg,
+                    )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._abort_uploads(bucket, key, exact=True)
+                raise
+        return True
+
+    def abort_uploads(self, root_uri: str) -> None:
+        bucket, key = self._split(root_uri)
+        with self._calls("abort uploads"):
+            self._abort_uploads(bucket, key + "/")
+
+    def _abort_uploads(
+        self, bucket: str, prefix: str, keep: str | None = None, exact: bool = False
+    ) -> None:
+        """Abort the multipart uploads open under `prefix` (exact: of the key `prefix` only),
+        except those under `keep`."""
+        uploads = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=bucket, Prefix=prefix
+        )
+        for page in uploads:
+            for up in page.get("Uploads", []):
+                if exact and up["Key"] != prefix:
+                    continue
+                if keep and (up["Key"] == keep or up["Key"].startswith(keep + "/")):
+                    continue
+                with contextlib.suppress(Exception):  # finished meanwhile
+                    self.client.abort_multipart_upload(
+                        Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
+                    )
+
     def _delete_prefix(self, bucket: str, prefix: str, keep: str | None = None) -> None:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         batch: list[dict[str, str]] = []
@@ -418,17 +508,7 @@ class S3Store(ArtifactStore):
                     batch = []
         if batch:
             self.client.delete_objects(Bucket=bucket, Delete={"Objects": batch})
-        uploads = self.client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=bucket, Prefix=prefix
-        )
-        for page in uploads:
-            for up in page.get("Uploads", []):
-                if keep and (up["Key"] == keep or up["Key"].startswith(keep + "/")):
-                    continue
-                with contextlib.suppress(Exception):  # finished meanwhile
-                    self.client.abort_multipart_upload(
-                        Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
-                    )
+        self._abort_uploads(bucket, prefix, keep)
 
     def delete_tree(self, root_uri: str) -> None:
         bucket, key = self._split(root_uri)

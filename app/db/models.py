@@ -274,5 +274,9 @@ class JobPart(Base):
     seconds: Mapped[float | None] = mapped_column(Float, default=None)
     error_code: Mapped[str | None] = mapped_column(String(64), default=None)
     error_message: Mapped[str | None] = mapped_column(Text, default=None)
-    # Where the part's output is in the artifact store (never an artifact row's URI).
+    # Where the part's shard files are: the job attempt's artifact location in the store
+    # (named by no artifact row until the assembly publishes it).
     output_uri: Mapped[str | None] = mapped_column(Text, default=None)
+    # The finished part's metadata (higgs_engine.parts part.json): its shard files with bytes
+    # and sha256, tensor names, layer rows; the assembly reads no shard.
+    output: Mapped[dict[str, Any] | None] = mapped_column(default=None)

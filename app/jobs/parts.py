@@ -63,6 +63,7 @@ class PartClaim:
     model_revision: str | None
     request: dict[str, Any]
     engine_config: dict[str, Any]
+    n_parts: int  # parts of this job attempt
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class PartView:
     output_uri: str | None
     finished_at: datetime | None
     engine_config: dict[str, Any]
+    output: dict[str, Any] | None
 
 
 def _rows(result: Any) -> int:
@@ -212,6 +214,11 @@ def claim_part(
     session.commit()
     part = session.get(JobPart, (job_id, idx), populate_existing=True)
     job = session.get(Job, job_id, populate_existing=True)
+    n_parts = session.scalar(
+        select(func.count())
+        .select_from(JobPart)
+        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+    )
     session.rollback()
     if part is None or job is None:
         return None
@@ -225,6 +232,7 @@ def claim_part(
         job.model_revision,
         dict(job.request),
         dict(part.engine_config),
+        int(n_parts or 0),
     )
 
 
@@ -292,8 +300,9 @@ def finish_part(
     worker_id: str,
     seconds: float,
     output_uri: str,
+    output: dict[str, Any] | None = None,
 ) -> bool:
-    """running -> done, recording where its output is. False (nothing recorded) when the part
+    """running -> done, recording where its output is and its metadata (`output`). False (nothing recorded) when the part
     is not this worker's or the job stopped meanwhile: the caller removes its output."""
     now = utcnow()
     n = _rows(
@@ -311,6 +320,7 @@ def finish_part(
                 heartbeat_at=now,
                 seconds=round(float(seconds), 6),
                 output_uri=output_uri,
+                output=output,
                 progress_done=JobPart.progress_total,
             )
             .execution_options(synchronize_session=False)
@@ -542,6 +552,7 @@ def parts_of(session: Session, job_id: str, attempt: int) -> list[PartView]:
             r.output_uri,
             r.finished_at,
             dict(r.engine_config),
+            None if r.output is None else dict(r.output),
         )
         for r in rows
     ]

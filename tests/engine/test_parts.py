@@ -15,7 +15,10 @@ from higgs_engine.artifacts import load_model
 from higgs_engine.errors import CancelledError, CorruptCheckpointError, InvalidConfigError
 from higgs_engine.parts import (
     Part,
+    assemble_metadata,
     assemble_parts,
+    part_shard_files,
+    read_part,
     list_parts,
     planned_layers,
     quantize_part,
@@ -108,6 +111,45 @@ def test_any_assembly_order_gives_byte_identical_files(
     assert [p["index"] for p in first.metrics["parts"]] == list(range(n))
 
 
+def test_parts_write_final_shard_names_and_the_metadata_assembly_reads_none(
+    sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path
+) -> None:
+    """Each part's shard files carry their names in the assembled artifact and the sha256
+    part.json records; assemble_metadata writes only the small files (no part's shard is
+    read: the parts' directories may be gone), and those plus the parts' shards are exactly
+    the files of a full assembly, byte for byte."""
+    n = len(parts_out)
+    metas = [read_part(d) for d in parts_out]
+    for m, d in zip(metas, parts_out, strict=True):
+        want = part_shard_files(m["index"], n, CFG.formats, True)
+        assert sorted(m["files"]) == sorted(want.values())
+        for rel, f in m["files"].items():
+            data = (d / rel).read_bytes()
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+    full = assemble_parts(sharded_ckpt, parts_out, tmp_path / "full", CFG)
+    gone = tmp_path / "gone"  # metadata only: the shard files are not there at all
+    rep = assemble_metadata(sharded_ckpt, list(reversed(metas)), gone, CFG)
+    small = digests(gone)
+    from_parts = {rel: f["sha256"] for m in metas for rel, f in m["files"].items()}
+    assert not set(small) & set(from_parts)
+    assert {**small, **from_parts} == digests(tmp_path / "full")
+    assert sorted(small) == sorted(
+        [f"native/model-{n + 1:05d}-of-{n + 1:05d}.safetensors"]  # the grids shard
+        + [
+            f"{fmt}/{p.name}"
+            for fmt in ("native", "dequantized")
+            for p in (tmp_path / "full" / fmt).iterdir()
+            if not p.name.startswith("model-") or p.name == SHARD_INDEX
+        ]
+    )
+    # the report lists every file with its size, the parts' shards included
+    assert rep.metrics["files"] == full.metrics["files"]
+    assert list(rep.metrics["files"]["native"]) == sorted(
+        p.name for p in (tmp_path / "full" / "native").iterdir()
+    )
+    assert (gone / "report.json").is_file()
+
+
 def test_assembled_equals_single_run_per_tensor(
     sharded_ckpt: Path,
     llama_ckpt: Path,
@@ -134,8 +176,12 @@ def test_assembled_equals_single_run_per_tensor(
     )
     # one part holding every shard: same tensors again, in one shard
     one = Part(0, tuple(sorted(set((read_weight_map(sharded_ckpt) or {}).values()))))
-    quantize_part(sharded_ckpt, one, tmp_path / "one", CFG)
+    quantize_part(sharded_ckpt, one, tmp_path / "one", CFG, n_parts=1)
     assemble_parts(sharded_ckpt, [tmp_path / "one"], tmp_path / "b", CFG)
+    assert sorted(p.name for p in (tmp_path / "b" / "native").glob("model-*")) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert tensors(tmp_path / "b" / "native") == tensors(tmp_path / "s" / "native")
 
 
@@ -180,7 +226,8 @@ def test_a_part_reads_only_its_own_shards(sharded_ckpt: Path, tmp_path: Path) ->
             (src / shard).unlink()
     res = quantize_part(src, parts[0], tmp_path / "p0", CFG)
     assert res.meta["shards"] == list(parts[0].shards)
-    assert (tmp_path / "p0" / "native" / "model.safetensors").is_file()
+    n = len(parts)
+    assert (tmp_path / "p0" / "native" / f"model-00001-of-{n + 1:05d}.safetensors").is_file()
     with pytest.raises(CorruptCheckpointError, match="missing"):
         quantize_part(src, parts[1], tmp_path / "p1", CFG)
     assert not (tmp_path / "p1").exists()
@@ -207,7 +254,14 @@ def test_cancel_and_bad_assembly(sharded_ckpt: Path, parts_out: list[Path], tmp_
         assemble_parts(sharded_ckpt, parts_out[1:], tmp_path / "x", CFG)
     with pytest.raises(InvalidConfigError, match="another config"):
         assemble_parts(sharded_ckpt, parts_out, tmp_path / "y", HiggsConfig(p=2, n=64))
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # a part quantized as one of another number of parts names other shard files
+    quantize_part(sharded_ckpt, source_parts(sharded_ckpt)[0], tmp_path / "w", CFG, n_parts=9)
+    with pytest.raises(InvalidConfigError, match="as part of 9; an assembly of"):
+        assemble_parts(sharded_ckpt, [tmp_path / "w", *parts_out[1:]], tmp_path / "z", CFG)
+    with pytest.raises(InvalidConfigError, match="part index 3 is not one of 2 parts"):
+        quantize_part(sharded_ckpt, Part(3, ("x",)), tmp_path / "v", CFG, n_parts=2)
+    for d in ("x", "y", "z", "v"):
+        assert not (tmp_path / d).exists()
 
 
 def test_per_layer_choices_are_an_input_of_each_part(

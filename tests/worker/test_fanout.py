@@ -114,7 +114,26 @@ def test_fanned_out_job_equals_a_single_run(
     assert run_part(sessions, job_id, attempt + 1, 0, runner_cfg, "w9").status == "skipped"
     job = job_row(sessions, job_id)
     assert (job.progress_done, job.progress_total) == (14, 14)
+    # The parts' shards are already where the artifact will be published, under their final
+    # names (no artifact row names them yet), each recorded with its bytes and sha256.
+    where = settings.artifacts_path / job_id / f"{job_id}.{attempt}.parts"
+    stored = {p.relative_to(where).as_posix(): p for p in files_under(where)}
+    n = len(idxs)
+    assert sorted(stored) == sorted(
+        [f"native/model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in idxs]
+        + [f"dequantized/model-{i + 1:05d}-of-{n:05d}.safetensors" for i in idxs]
+    )
+    for p in rows(sessions, job_id):
+        assert p.output is not None and p.output_uri == where.as_uri()
+        for rel, f in p.output["files"].items():
+            data = stored[rel].read_bytes()
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+    inodes = {rel: p.stat().st_ino for rel, p in stored.items()}
+    with sessions() as s:
+        assert s.get(Job, job_id).artifacts == []  # type: ignore[union-attr]
     assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="asm").status == "succeeded"
+    # The assembly moved no shard (same files) and wrote only the small ones beside them.
+    assert {rel: (where / rel).stat().st_ino for rel in stored} == inodes
     assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="asm2").status == "skipped"
 
     job = job_row(sessions, job_id)
@@ -137,6 +156,26 @@ def test_fanned_out_job_equals_a_single_run(
         uri_path(job_row_artifact_uri(sessions, job_id)).parent.name
     ]
     assert files_under(settings.artifacts_path / ".staging") == []
+
+
+def test_assembly_fails_when_a_parts_file_is_not_as_recorded(
+    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+) -> None:
+    """The assembly reads no shard, but checks that each one is in the store with the size its
+    part recorded: a truncated file fails the job and nothing is published."""
+    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    for i in idxs:
+        assert run_part(sessions, job_id, attempt, i, runner_cfg, "w").status == "succeeded"
+    where = settings.artifacts_path / job_id / f"{job_id}.{attempt}.parts"
+    victim = sorted(files_under(where / "dequantized"))[1]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    assert assemble(sessions, job_id, attempt, runner_cfg, "asm").status == "failed"
+    job = job_row(sessions, job_id)
+    assert job.status == "failed" and job.error_code == "corrupt_checkpoint"
+    assert job.error_message is not None and "not the" in job.error_message
+    with sessions() as s:
+        assert s.get(Job, job_id).artifacts == []  # type: ignore[union-attr]
+    assert not (settings.artifacts_path / job_id).exists()
 
 
 def _engine_cfg(job: Job) -> HiggsConfig:
