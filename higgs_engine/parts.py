@@ -304,7 +304,7 @@ def check_parts(metas: Sequence[Mapping[str, Any]], config: HiggsConfig) -> list
     ordered = sorted((dict(m) for m in metas), key=lambda m: int(m.get("index", -1)))
     n = len(ordered)
     for m in ordered:
-        if not isinstance(m, dict) or m.get("format_version") != PART_FORMAT_VERSION:
+        if m.get("format_version") != PART_FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"part {m.get('index')!r} is not a part of format {PART_FORMAT_VERSION}"
             )

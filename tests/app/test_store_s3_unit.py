@@ -304,6 +304,89 @@ def test_delete_tree_aborts_uploads_a_killed_worker_left_open_and_batches_delete
     assert open_uploads(store) == []
 
 
+# ---------------------------------------------------------------- parts written side by side
+
+
+def test_put_writes_beside_what_is_there_and_a_stop_removes_nothing(
+    store: S3Store, tmp_path: Path
+) -> None:
+    """put (the parts of a fanned-out job writing into one attempt's artifact location): a
+    sibling's object stays, each file carries its sha256, a same-path file is replaced, and a
+    stop between files keeps what was written (the part's next run writes the same keys)."""
+    uri = store.attempt_uri("job-p", "1.parts")
+    root = uri.removeprefix(f"s3://{store.bucket}/")
+    store.client.put_object(Bucket=store.bucket, Key=f"{root}/native/sibling", Body=b"s")
+    mine = [
+        upload_file(tmp_path, "native/model-00002-of-00003.safetensors", os.urandom(6 * MIB)),
+        upload_file(tmp_path, "dequantized/model-00002-of-00002.safetensors", b"d" * 100),
+    ]
+    assert store.put(uri, mine, should_stop=lambda: False) is True
+    assert keys(store) == sorted([f"{root}/native/sibling", *(f"{root}/{f.path}" for f in mine)])
+    for f in mine:
+        head = store.client.head_object(Bucket=store.bucket, Key=f"{root}/{f.path}")
+        assert head["Metadata"]["sha256"] == f.sha256
+    again = upload_file(tmp_path / "2", "dequantized/model-00002-of-00002.safetensors", b"e" * 9)
+    answers = iter([False, True])
+    assert store.put(uri, [again, mine[0]], should_stop=lambda: next(answers)) is False
+    got = store.client.get_object(Bucket=store.bucket, Key=f"{root}/{again.path}")
+    assert got["Body"].read() == b"e" * 9
+    assert len(keys(store)) == 3 and open_uploads(store) == []
+
+
+def test_a_failed_put_aborts_its_upload_and_leaves_the_siblings(
+    store: S3Store, tmp_path: Path
+) -> None:
+    uri = store.attempt_uri("job-q", "1.parts")
+    root = uri.removeprefix(f"s3://{store.bucket}/")
+    store.client.put_object(Bucket=store.bucket, Key=f"{root}/native/sibling", Body=b"s")
+    first = upload_file(tmp_path, "native/a.bin", b"a" * 10)
+    big = upload_file(tmp_path, "dequantized/b.bin", os.urandom(11 * MIB))
+    failed = fail_once(store.client, "UploadPart", lambda p: p["PartNumber"] == 2, "InternalError")
+    with pytest.raises(StoreUnavailableError):
+        store.put(uri, [first, big], should_stop=lambda: False)
+    assert failed == [1]
+    assert keys(store) == [f"{root}/native/a.bin", f"{root}/native/sibling"]
+    assert open_uploads(store) == []
+
+
+def test_abort_uploads_aborts_only_under_the_root_and_keeps_objects(store: S3Store) -> None:
+    """What a lost part run left open under the attempt's artifact location is aborted before
+    publication; objects and other attempts' uploads stay."""
+    uri = store.attempt_uri("job-r", "1.parts")
+    root = uri.removeprefix(f"s3://{store.bucket}/")
+    store.client.put_object(Bucket=store.bucket, Key=f"{root}/native/done", Body=b"x")
+    for key in (f"{root}/native/half.bin", "svc/artifacts/job-r/2.parts/native/other.bin"):
+        store.client.create_multipart_upload(Bucket=store.bucket, Key=key)
+    store.abort_uploads(uri)
+    assert keys(store) == [f"{root}/native/done"]
+    assert open_uploads(store) == ["svc/artifacts/job-r/2.parts/native/other.bin"]
+
+
+def test_local_put_renames_into_place_beside_what_is_there(tmp_path: Path) -> None:
+    """The local store's put is one rename per file (same inode, the local file gone), a
+    sibling stays, a stop between files keeps what was placed."""
+    from app.artifacts.store import LocalStore, uri_path
+
+    store = LocalStore(tmp_path / "artifacts")
+    uri = store.attempt_uri("job-l", "1.parts")
+    (uri_path(uri) / "native").mkdir(parents=True)
+    (uri_path(uri) / "native" / "sibling").write_bytes(b"s")
+    a = upload_file(tmp_path, "native/model-00001-of-00002.safetensors", b"a" * 10)
+    b = upload_file(tmp_path, "dequantized/model-00001-of-00001.safetensors", b"b" * 10)
+    inode = a.local.stat().st_ino
+    answers = iter([False, True])
+    assert store.put(uri, [a, b], should_stop=lambda: next(answers)) is False
+    placed = uri_path(uri) / a.path
+    assert placed.stat().st_ino == inode and not a.local.exists()
+    assert b.local.exists() and not (uri_path(uri) / b.path).exists()
+    assert store.put(uri, [b], should_stop=lambda: False) is True
+    assert sorted(p.relative_to(uri_path(uri)).as_posix() for p in uri_path(uri).rglob("*.*")) == [
+        b.path,
+        a.path,
+    ]
+    assert (uri_path(uri) / "native" / "sibling").read_bytes() == b"s"
+
+
 # ---------------------------------------------------------------- publication
 
 

@@ -17,11 +17,11 @@ from higgs_engine.parts import (
     Part,
     assemble_metadata,
     assemble_parts,
-    part_shard_files,
-    read_part,
     list_parts,
+    part_shard_files,
     planned_layers,
     quantize_part,
+    read_part,
     source_parts,
 )
 from higgs_engine.pipeline import quantize_checkpoint
