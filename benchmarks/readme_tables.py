@@ -18,6 +18,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
     ("memory", "memory.py"),
     ("calibrated_cost", "calibrated_cost.py"),
+    ("calibrated_profile", "calibrated_profile.py"),
     ("dynamic", "dynamic.py"),
     ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
     ("allocator_speed", "allocator_speed.py"),
