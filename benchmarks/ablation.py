@@ -152,7 +152,7 @@ def summarise(rows: list[dict[str, Any]], metrics: list[str]) -> list[dict[str, 
     fams: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("params", {}).get("sign_seed") is not None and "error" not in r:
-            fam = r["method"].replace(f"seed {r['params']['sign_seed']}", "seeds 0-2")
+            fam = r["method"].replace(f"seed {r['params']['sign_seed']}", "seeds")
             fams.setdefault(fam, []).append(r)
     out = []
     for fam, rs in fams.items():

@@ -297,7 +297,7 @@ def reused_rows(
         raise SystemExit(f"{path}: not a {label} run on the same data ({old.get('data')})")
     when = old["environment"]["start"]["date"]
     return [
-        {**r, "reused_from": when}
+        {**r, "reused_from": r.get("reused_from", when)}
         for r in old["rows"]
         if r["method"] not in running and r["method"] != "base" and "error" not in r
     ]

@@ -167,8 +167,9 @@ def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: 
         from higgs_engine.profile import ProfileConfig
 
         cal = data.calibration
+        # metric "auto": KL for a causal LM, 1 - cos for an encoder (the engine decides)
         pcfg = ProfileConfig(
-            metric="kl", method="fisher", context=cal.context, windows=int(cal.windows.shape[0])
+            metric="auto", method="fisher", context=cal.context, windows=int(cal.windows.shape[0])
         )
         base = HiggsConfig(formats=("dequantized",))
         prof = get_profile(model_dir, pcfg, text=data.text)
@@ -182,7 +183,7 @@ def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: 
         "higgs-calibrated",
         {
             "avg_bits": avg_bits,
-            "profile": "fisher KL on the calibration text",
+            "profile": "fisher (KL, or 1 - cos for an encoder) on the calibration text",
             "calibration": data.description,
         },
         layer_fn=_Lazy(compute),

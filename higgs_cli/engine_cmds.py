@@ -13,6 +13,24 @@ from pathlib import Path
 from typing import Any
 
 from higgs_cli.main import CliError
+from higgs_engine.planning.config import (
+    DEFAULT_SCALE_RULE,
+    DEFAULT_SIGN_SEED,
+    SCALE_RULES,
+)
+
+
+def _sign_seed(value: str) -> int | None:
+    """--sign-seed: a seed in 0..2^63-1, or "none" for no signs."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        seed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer seed or none") from None
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"{seed} is not in 0..2^63-1")
+    return seed
 
 
 def register(subparsers: Any) -> None:
@@ -46,10 +64,16 @@ def register(subparsers: Any) -> None:
     )
     q.add_argument(
         "--sign-seed",
-        type=int,
-        default=None,
-        metavar="S",
-        help="random-sign seed (default: no signs)",
+        type=_sign_seed,
+        default=DEFAULT_SIGN_SEED,
+        metavar="S|none",
+        help=f"seed of the random signs before the rotation, or none (default {DEFAULT_SIGN_SEED})",
+    )
+    q.add_argument(
+        "--scale-rule",
+        choices=SCALE_RULES,
+        default=DEFAULT_SCALE_RULE,
+        help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}; rms is the paper's)",
     )
     q.add_argument(
         "--format",
@@ -196,6 +220,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         group_size=args.group_size,
         rotation_block=args.rotation_block,
         sign_seed=args.sign_seed,
+        scale_rule=args.scale_rule,
         skip=skip,
         formats=formats,
         dtype=args.dtype,

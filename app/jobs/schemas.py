@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from higgs_engine.planning.config import DEFAULT_SCALE_RULE, DEFAULT_SIGN_SEED, ScaleRule
 from higgs_engine.planning.layout import is_power_of_two
 
 Format = Literal["native", "dequantized"]
@@ -189,7 +190,18 @@ class Options(Strict):
         default_factory=list, description="fnmatch patterns of layers kept in 16 bits"
     )
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    sign_seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    sign_seed: int | None = Field(
+        default=DEFAULT_SIGN_SEED,
+        ge=0,
+        le=MAX_SEED,
+        description="seed of the random signs before the Hadamard rotation; null = no signs",
+    )
+    scale_rule: ScaleRule = Field(
+        default=DEFAULT_SCALE_RULE,
+        description="how each scale group's scale is chosen: rms (the paper's), mse (the "
+        "multiplier of the RMS scale with the smallest group error), unbiased (error orthogonal "
+        "to the weights), mse-unbiased (both)",
+    )
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     calibration: str | None = Field(
         default=None,

@@ -95,6 +95,7 @@ def validate_request(
         "skip": tuple(opts.skip),
         "dtype": opts.dtype,
         "sign_seed": opts.sign_seed,
+        "scale_rule": opts.scale_rule,
         "seed": opts.seed,
     }
     check_grid_dim(opts.p)

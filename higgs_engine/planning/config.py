@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.layout import is_power_of_two
@@ -19,7 +19,8 @@ SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
 }
 FORMATS = ("native", "dequantized")
 # Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
-SCALE_RULES = ("rms", "mse", "unbiased", "mse-unbiased")
+ScaleRule = Literal["rms", "mse", "unbiased", "mse-unbiased"]
+SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
 
 
 def code_bits(p: int, n: int) -> float:
@@ -37,6 +38,10 @@ def check_grid(p: int, n: int) -> None:
             f"n={n} is not a supported grid size for p={p}; choose one of {list(SUPPORTED_GRIDS[p])}",
             field="n",
         )
+
+
+DEFAULT_SIGN_SEED = 0
+DEFAULT_SCALE_RULE: ScaleRule = "mse-unbiased"
 
 
 @dataclass(frozen=True)
@@ -60,11 +65,13 @@ class HiggsConfig:
     n: int = 256
     group_size: int = 256
     rotation_block: int = 1024
-    # Seed of the optional random +-1 signs applied before the rotation; None = no signs
-    # (the reference implementations use none).
-    sign_seed: int | None = None
+    # Seed of the random +-1 signs applied before the rotation (the randomized Hadamard
+    # transform); None = no signs (the reference implementations use none). Signs with the
+    # MSE-searched unbiased scale won on both real models of benchmarks/ablation.py
+    # (docs/algorithm.md, "Data-free defaults").
+    sign_seed: int | None = DEFAULT_SIGN_SEED
     # How each scale group's scale is chosen (higgs_engine.quantize.SCALE_RULES).
-    scale_rule: str = "rms"
+    scale_rule: str = DEFAULT_SCALE_RULE
     # fnmatch patterns of module names to keep in 16 bits (on top of lm_head / embeddings).
     skip: tuple[str, ...] = ()
     formats: tuple[str, ...] = FORMATS
@@ -191,7 +198,8 @@ class HiggsConfig:
         unknown = set(d) - known
         if unknown:
             raise InvalidConfigError(f"unknown config fields: {sorted(unknown)}")
-        # configs written before scale rules existed used the RMS scale
+        # configs written before these fields existed used no signs and the RMS scale
+        d.setdefault("sign_seed", None)
         d.setdefault("scale_rule", "rms")
         d["skip"] = tuple(d.get("skip", ()))
         d["formats"] = tuple(d.get("formats", FORMATS))

@@ -75,6 +75,7 @@ def test_nan_and_infinity_targets_are_refused(
         ({"target": {"bits": 4}, "options": {"sign_seed": 2**64}}, "options.sign_seed"),
         ({"target": {"bits": 4}, "options": {"sign_seed": -(2**64)}}, "options.sign_seed"),
         ({"target": {"bits": 4}, "options": {"sign_seed": -1}}, "options.sign_seed"),
+        ({"target": {"bits": 4}, "options": {"scale_rule": "median"}}, "options.scale_rule"),
         ({"target": {"bits": 4}, "options": {"seed": 2**63}}, "options.seed"),
         # Exactly one target, the others omitted (not null).
         ({"target": {"bits": 4, "avg_bits": None}}, "target"),

@@ -78,6 +78,30 @@ def test_quantize_human_summary_and_options(llama_ckpt: Path, tmp_path: Path) ->
     assert kept == {
         f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("k_proj", "v_proj")
     }
+    # The defaults: signs with seed 0 and the MSE-searched unbiased scale.
+    assert (rep["config"]["sign_seed"], rep["config"]["scale_rule"]) == (0, "mse-unbiased")
+
+
+def test_quantize_sign_seed_none_and_scale_rule(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plain"
+    args = ["--p", "1", "--n", "16", "--format", "native", "--json"]
+    res = run(
+        "quantize",
+        str(llama_ckpt),
+        "--out",
+        str(out),
+        *args,
+        "--sign-seed",
+        "none",
+        "--scale-rule",
+        "rms",
+    )
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)["config"]
+    assert (cfg["sign_seed"], cfg["scale_rule"]) == (None, "rms")
+    for bad, why in (("--sign-seed", "-3"), ("--sign-seed", "x"), ("--scale-rule", "median")):
+        res = run("quantize", str(llama_ckpt), "--out", str(tmp_path / "bad"), bad, why)
+        assert res.returncode != 0 and why in res.stderr and not (tmp_path / "bad").exists()
 
 
 def test_eval_json_with_and_without_base(

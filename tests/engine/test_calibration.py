@@ -180,7 +180,8 @@ def test_calibrated_quantize_checkpoint(
         out_n = native(input_ids=x).logits
         out_d = deq(input_ids=x).logits
         out_f = free_m(input_ids=x).logits
-    torch.testing.assert_close(out_n, out_d, rtol=2e-2, atol=2e-2)
+    # They differ only by the float16 rounding of the dequantized weights.
+    assert float((out_n - out_d).norm() / out_d.norm()) < 1e-2
     assert (out_d - ref).square().mean() < (out_f - ref).square().mean()
 
 

@@ -130,8 +130,18 @@ def test_old_meta_without_scale_rule_loads_as_rms() -> None:
     assert w_hat is not None
     assert old.scale_rule == "rms" and torch.equal(dequantize_matrix(old), w_hat)
     cfg = HiggsConfig().to_dict()
-    del cfg["scale_rule"]
-    assert HiggsConfig.from_dict(cfg).scale_rule == "rms"
+    del cfg["scale_rule"], cfg["sign_seed"]
+    # A config from before these fields meant the paper's plain rotation and RMS scale.
+    old_cfg = HiggsConfig.from_dict(cfg)
+    assert (old_cfg.scale_rule, old_cfg.sign_seed) == ("rms", None)
+
+
+def test_defaults_are_the_ablation_winners() -> None:
+    # benchmarks/ablation.py: random signs with the MSE-searched unbiased scale beat the
+    # paper's plain rotation + RMS scale on SmolLM2 and on MiniLM (docs/algorithm.md).
+    cfg = HiggsConfig()
+    assert (cfg.sign_seed, cfg.scale_rule) == (0, "mse-unbiased")
+    assert HiggsConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_bad_scale_rule_is_named() -> None:
