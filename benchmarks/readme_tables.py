@@ -23,6 +23,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("calibrated_cost", "calibrated_cost.py"),
     ("calibrated_profile", "calibrated_profile.py"),
     ("dynamic", "dynamic.py"),
+    ("datafree_sources", "datafree_sources.py (SmolLM2)"),
     ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
     ("allocator_speed", "allocator_speed.py"),
     ("service_api_quiet", "service_bench.py --api-only --no-sqlite --stem service_api_quiet"),
