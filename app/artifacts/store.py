@@ -412,30 +412,32 @@ class S3Store(ArtifactStore):
 
     # ---- writing
 
-    def upload(
-        self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
-    ) -> bool:
+    def _upload_file(self, bucket: str, key: str, f: UploadFile, cfg: Any) -> None:
+        """One file (multipart above the part size) with its sha256 in the object's metadata."""
+        with self._calls("upload"):
+            self.client.upload_file(
+                str(f.local), bucket, key, ExtraArgs={"Metadata": {"sha256": f.sha256}}, Config=cfg
+            )
+
+    def _transfer_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
 
-        cfg = TransferConfig(
+        return TransferConfig(
             multipart_threshold=self.part_size,
             multipart_chunksize=self.part_size,
             max_concurrency=4,
         )
+
+    def upload(
+        self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
+    ) -> bool:
+        cfg = self._transfer_config()
         try:
             for f in files:
                 if should_stop():
                     self.delete_tree(root_uri)
                     return False
-                bucket, key = self._object(root_uri, f.path)
-                with self._calls("upload"):
-                    self.client.upload_file(
-                        str(f.local),
-                        bucket,
-                        key,
-                        ExtraArgs={"Metadata": {"sha256": f.sha256}},
-                        Config=cfg,
-                    )
+                self._upload_file(*self._object(root_uri, f.path), f, cfg)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.delete_tree(root_uri)
@@ -445,26 +447,13 @@ class S3Store(ArtifactStore):
     def put(
         self, root_uri: str, files: Sequence[UploadFile], should_stop: Callable[[], bool]
     ) -> bool:
-        from boto3.s3.transfer import TransferConfig
-
-        cfg = TransferConfig(
-            multipart_threshold=self.part_size,
-            multipart_chunksize=self.part_size,
-            max_concurrency=4,
-        )
+        cfg = self._transfer_config()
         for f in files:
             if should_stop():
                 return False
             bucket, key = self._object(root_uri, f.path)
             try:
-                with self._calls("upload"):
-                    self.client.upload_file(
-                        str(f.local),
-                        bucket,
-                        key,
-                        ExtraArgs={"Metadata": {"sha256": f.sha256}},
-                        Config=cfg,
-                    )
+                self._upload_file(bucket, key, f, cfg)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self._abort_uploads(bucket, key, exact=True)
