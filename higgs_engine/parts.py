@@ -54,7 +54,7 @@ from higgs_engine.safetensors_stream import (
 )
 
 if TYPE_CHECKING:
-    from higgs_engine.pipeline import LayerPlan
+    from higgs_engine.pipeline import LayerPlan, _RunContext
     from higgs_engine.sources import ResolvedSource
 
 PART_META = "part.json"
@@ -169,6 +169,31 @@ class PartResult:
     seconds: float
 
 
+def _local_context(
+    source: str | Path,
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None,
+    device: str | None,
+) -> _RunContext:
+    """The pipeline's run context for a source already on local disk (nothing to resolve)."""
+    from higgs_engine.device import resolve_device
+    from higgs_engine.pipeline import _RunContext
+
+    return _RunContext(
+        source=source,
+        tmp=out_dir,
+        config=config,
+        progress=progress,
+        revision=None,
+        token=None,
+        cache_dir=None,
+        hub_cache_dir=None,
+        local_files_only=True,
+        device=resolve_device(device or "cpu"),
+    )
+
+
 def quantize_part(
     source: Path,
     part: Part,
@@ -190,8 +215,7 @@ def quantize_part(
     returning False cancels.
     """
     from higgs_engine.artifacts import ArtifactWriter
-    from higgs_engine.device import resolve_device
-    from higgs_engine.pipeline import _RunContext, _stream_tensors
+    from higgs_engine.pipeline import _stream_tensors
 
     t0 = time.perf_counter()
     source = Path(source)
@@ -206,18 +230,7 @@ def quantize_part(
         raise InvalidConfigError(f"part index {part.index} is not one of {n_parts} parts")
     with_grids = any(pl.grid is not None for pl in plans)
     names = part_shard_files(part.index, n_parts, config.formats, with_grids)
-    ctx = _RunContext(
-        source=source,
-        tmp=out_dir,
-        config=config,
-        progress=progress,
-        revision=None,
-        token=None,
-        cache_dir=None,
-        hub_cache_dir=None,
-        local_files_only=True,
-        device=resolve_device(device or "cpu"),
-    )
+    ctx = _local_context(source, out_dir, config, progress, device)
     out_dir.mkdir(parents=True)
     try:
         with CheckpointReader(source, files=part.shards) as reader:
@@ -348,8 +361,7 @@ def assemble_metadata(
     the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
     seconds) and its `files` every file of each format, the parts' shards included."""
     from higgs_engine.artifacts import quantization_config, write_configs
-    from higgs_engine.device import resolve_device
-    from higgs_engine.pipeline import _build_report, _RunContext, _Written
+    from higgs_engine.pipeline import _build_report, _Written
     from higgs_engine.sources import ResolvedSource
 
     t0 = time.perf_counter()
@@ -413,19 +425,10 @@ def assemble_metadata(
             params_total=sum(int(m["params"]) for m in ordered),
             calibration=None,
         )
-        ctx = _RunContext(
-            source=resolved.id if resolved is not None else source,
-            tmp=out_dir,
-            config=config,
-            progress=progress,
-            revision=None,
-            token=None,
-            cache_dir=None,
-            hub_cache_dir=None,
-            local_files_only=True,
-            device=resolve_device(device or "cpu"),
-            timings=dict(timings or {}),
+        ctx = _local_context(
+            resolved.id if resolved is not None else source, out_dir, config, progress, device
         )
+        ctx.timings.update(timings or {})
         ctx.timings["quantizing"] = ctx.timings.get(
             "quantizing", sum(float(m["seconds"]) for m in ordered)
         )
