@@ -80,8 +80,10 @@ class PartView:
     output: dict[str, Any] | None
 
 
-def _rows(result: Any) -> int:
-    return int(cast(CursorResult[Any], result).rowcount)
+def _update_one(session: Session, stmt: Any) -> bool:
+    """Run a compare-and-set UPDATE; True when it matched exactly one row."""
+    result = session.execute(stmt.execution_options(synchronize_session=False))
+    return cast(CursorResult[Any], result).rowcount == 1
 
 
 def fanned_out() -> ColumnElement[bool]:
@@ -125,23 +127,21 @@ def fan_out(
     if job is None:
         session.rollback()
         return False
-    ok = _rows(
-        session.execute(
-            update(Job)
-            .where(*_job_live(job_id, attempt), Job.worker_id == worker_id)
-            .values(
-                stage=FANOUT_STAGE,
-                stage_durations=closed_stage_durations(job, now),
-                stage_started_at=now,
-                progress_done=0,
-                progress_total=sum(p.total for p in parts),
-                heartbeat_at=now,
-                updated_at=now,
-            )
-            .execution_options(synchronize_session=False)
-        )
+    matched = _update_one(
+        session,
+        update(Job)
+        .where(*_job_live(job_id, attempt), Job.worker_id == worker_id)
+        .values(
+            stage=FANOUT_STAGE,
+            stage_durations=closed_stage_durations(job, now),
+            stage_started_at=now,
+            progress_done=0,
+            progress_total=sum(p.total for p in parts),
+            heartbeat_at=now,
+            updated_at=now,
+        ),
     )
-    if ok != 1:
+    if not matched:
         session.rollback()
         return False
     session.execute(delete(JobPart).where(JobPart.job_id == job_id))
@@ -187,28 +187,26 @@ def claim_part(
     """queued -> running (attempts += 1) while the job runs this attempt and no cancel was
     asked. None when there is nothing to claim (duplicate message, older attempt, done)."""
     now = utcnow()
-    n = _rows(
-        session.execute(
-            update(JobPart)
-            .where(
-                *_part(job_id, attempt, idx),
-                JobPart.state == PART_QUEUED,
-                _job_is_live(job_id, attempt),
-            )
-            .values(
-                state=PART_RUNNING,
-                attempts=JobPart.attempts + 1,
-                worker_id=worker_id,
-                started_at=now,
-                heartbeat_at=now,
-                progress_done=0,
-                error_code=None,
-                error_message=None,
-            )
-            .execution_options(synchronize_session=False)
+    matched = _update_one(
+        session,
+        update(JobPart)
+        .where(
+            *_part(job_id, attempt, idx),
+            JobPart.state == PART_QUEUED,
+            _job_is_live(job_id, attempt),
         )
+        .values(
+            state=PART_RUNNING,
+            attempts=JobPart.attempts + 1,
+            worker_id=worker_id,
+            started_at=now,
+            heartbeat_at=now,
+            progress_done=0,
+            error_code=None,
+            error_message=None,
+        ),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return None
     session.commit()
@@ -271,19 +269,17 @@ def record_part_progress(
         values["progress_done"] = int(done)
     if total is not None:
         values["progress_total"] = int(total)
-    n = _rows(
-        session.execute(
-            update(JobPart)
-            .where(
-                *_part(job_id, attempt, idx),
-                JobPart.state == PART_RUNNING,
-                JobPart.worker_id == worker_id,
-            )
-            .values(**values)
-            .execution_options(synchronize_session=False)
+    matched = _update_one(
+        session,
+        update(JobPart)
+        .where(
+            *_part(job_id, attempt, idx),
+            JobPart.state == PART_RUNNING,
+            JobPart.worker_id == worker_id,
         )
+        .values(**values),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return False
     _touch_job(session, job_id, attempt, progress=done is not None)
@@ -305,28 +301,26 @@ def finish_part(
     """running -> done, recording where its output is and its metadata (`output`). False (nothing recorded) when the part
     is not this worker's or the job stopped meanwhile: the caller removes its output."""
     now = utcnow()
-    n = _rows(
-        session.execute(
-            update(JobPart)
-            .where(
-                *_part(job_id, attempt, idx),
-                JobPart.state == PART_RUNNING,
-                JobPart.worker_id == worker_id,
-                _job_is_live(job_id, attempt),
-            )
-            .values(
-                state=PART_DONE,
-                finished_at=now,
-                heartbeat_at=now,
-                seconds=round(float(seconds), 6),
-                output_uri=output_uri,
-                output=output,
-                progress_done=JobPart.progress_total,
-            )
-            .execution_options(synchronize_session=False)
+    matched = _update_one(
+        session,
+        update(JobPart)
+        .where(
+            *_part(job_id, attempt, idx),
+            JobPart.state == PART_RUNNING,
+            JobPart.worker_id == worker_id,
+            _job_is_live(job_id, attempt),
         )
+        .values(
+            state=PART_DONE,
+            finished_at=now,
+            heartbeat_at=now,
+            seconds=round(float(seconds), 6),
+            output_uri=output_uri,
+            output=output,
+            progress_done=JobPart.progress_total,
+        ),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return False
     _touch_job(session, job_id, attempt, progress=True)
@@ -363,41 +357,37 @@ def fail_part(
     conds = [*_part(job_id, attempt, idx), JobPart.state == PART_RUNNING]
     if worker_id is not None:
         conds.append(JobPart.worker_id == worker_id)
-    n = _rows(
-        session.execute(
-            update(JobPart)
-            .where(*conds)
-            .values(
-                state=PART_FAILED,
-                finished_at=now,
-                error_code=code[:64],
-                error_message=message[:MAX_MESSAGE_CHARS],
-            )
-            .execution_options(synchronize_session=False)
-        )
+    matched = _update_one(
+        session,
+        update(JobPart)
+        .where(*conds)
+        .values(
+            state=PART_FAILED,
+            finished_at=now,
+            error_code=code[:64],
+            error_message=message[:MAX_MESSAGE_CHARS],
+        ),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return False
     part = session.get(JobPart, (job_id, idx))
     shards = ", ".join(part.shards) if part is not None else "?"
-    ok = _rows(
-        session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
-            .values(
-                status=FAILED,
-                error_code=code[:64],
-                error_message=f"part {idx} ({shards}): {message}"[:MAX_MESSAGE_CHARS],
-                stage=None,
-                stage_started_at=None,
-                finished_at=now,
-                updated_at=now,
-            )
-            .execution_options(synchronize_session=False)
-        )
+    matched = _update_one(
+        session,
+        update(Job)
+        .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
+        .values(
+            status=FAILED,
+            error_code=code[:64],
+            error_message=f"part {idx} ({shards}): {message}"[:MAX_MESSAGE_CHARS],
+            stage=None,
+            stage_started_at=None,
+            finished_at=now,
+            updated_at=now,
+        ),
     )
-    if ok != 1:
+    if not matched:
         session.rollback()
         return False
     _stop_siblings(session, job_id, attempt, now)
@@ -416,20 +406,18 @@ def cancel_fanout(session: Session, job_id: str, attempt: int) -> bool:
     if job.status == CANCELLED:
         session.rollback()
         return True
-    n = _rows(
-        session.execute(
-            update(Job)
-            .where(
-                Job.id == job_id,
-                Job.status == RUNNING,
-                Job.attempts == attempt,
-                Job.cancel_requested.is_(True),
-            )
-            .values(status=CANCELLED, finished_at=now, updated_at=now, stage=None)
-            .execution_options(synchronize_session=False)
+    matched = _update_one(
+        session,
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == RUNNING,
+            Job.attempts == attempt,
+            Job.cancel_requested.is_(True),
         )
+        .values(status=CANCELLED, finished_at=now, updated_at=now, stage=None),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return False
     _stop_siblings(session, job_id, attempt, now)
@@ -469,24 +457,22 @@ def release_lost_part(
             if fail_part(session, job_id, attempt, idx, worker_id, WORKER_LOST, msg)
             else None
         )
-    n = _rows(
-        session.execute(
-            update(JobPart)
-            .where(
-                *_part(job_id, attempt, idx),
-                JobPart.state == PART_RUNNING,
-                JobPart.worker_id == worker_id,
-            )
-            .values(
-                state=PART_QUEUED,
-                worker_id=None,
-                heartbeat_at=None,
-                enqueued_at=utcnow() if message_returns else None,
-            )
-            .execution_options(synchronize_session=False)
+    matched = _update_one(
+        session,
+        update(JobPart)
+        .where(
+            *_part(job_id, attempt, idx),
+            JobPart.state == PART_RUNNING,
+            JobPart.worker_id == worker_id,
         )
+        .values(
+            state=PART_QUEUED,
+            worker_id=None,
+            heartbeat_at=None,
+            enqueued_at=utcnow() if message_returns else None,
+        ),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return None
     session.commit()
@@ -510,24 +496,22 @@ def claim_assembly(session: Session, job_id: str, attempt: int, worker_id: str) 
         return False
     # The parts' stage ends here (its time goes to stage_durations, as a single run's does).
     durations = closed_stage_durations(job, now)
-    n = _rows(
-        session.execute(
-            update(Job)
-            .where(*_job_live(job_id, attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part)
-            .values(
-                stage="packaging",
-                stage_durations=durations,
-                stage_started_at=now,
-                progress_done=0,
-                progress_total=1,
-                worker_id=worker_id,
-                heartbeat_at=now,
-                updated_at=now,
-            )
-            .execution_options(synchronize_session=False)
-        )
+    matched = _update_one(
+        session,
+        update(Job)
+        .where(*_job_live(job_id, attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part)
+        .values(
+            stage="packaging",
+            stage_durations=durations,
+            stage_started_at=now,
+            progress_done=0,
+            progress_total=1,
+            worker_id=worker_id,
+            heartbeat_at=now,
+            updated_at=now,
+        ),
     )
-    if n != 1:
+    if not matched:
         session.rollback()
         return False
     session.commit()
@@ -606,19 +590,17 @@ def sweep_parts(
             if fail_part(session, job_id, attempt, idx, worker, WORKER_LOST, msg):
                 out.failed.append(job_id)
             continue
-        n = _rows(
-            session.execute(
-                update(JobPart)
-                .where(
-                    *_part(job_id, attempt, idx),
-                    JobPart.state == PART_RUNNING,
-                    JobPart.heartbeat_at < cutoff,
-                )
-                .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=None)
-                .execution_options(synchronize_session=False)
+        matched = _update_one(
+            session,
+            update(JobPart)
+            .where(
+                *_part(job_id, attempt, idx),
+                JobPart.state == PART_RUNNING,
+                JobPart.heartbeat_at < cutoff,
             )
+            .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=None),
         )
-        if n == 1:
+        if matched:
             session.commit()
             out.requeued.append((job_id, attempt, idx))
         else:
@@ -637,20 +619,18 @@ def sweep_parts(
         .all()
     )
     for job_id in stuck:
-        n = _rows(
-            session.execute(
-                update(Job)
-                .where(
-                    Job.id == job_id,
-                    Job.status == RUNNING,
-                    Job.stage.in_(ASSEMBLY_STAGES),
-                    Job.heartbeat_at < cutoff,
-                )
-                .values(stage=FANOUT_STAGE, heartbeat_at=now, updated_at=now)
-                .execution_options(synchronize_session=False)
+        matched = _update_one(
+            session,
+            update(Job)
+            .where(
+                Job.id == job_id,
+                Job.status == RUNNING,
+                Job.stage.in_(ASSEMBLY_STAGES),
+                Job.heartbeat_at < cutoff,
             )
+            .values(stage=FANOUT_STAGE, heartbeat_at=now, updated_at=now),
         )
-        if n == 1:
+        if matched:
             session.commit()
             out.assembly_reset.append(str(job_id))
         else:
