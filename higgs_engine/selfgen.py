@@ -15,7 +15,11 @@ sequences of `length` token ids:
 - sampling uses its own ``torch.Generator`` seeded by ``seed``: the same model, seed and
   settings give the same token ids, and the global torch RNG is left untouched;
 - an EOS token in the middle of a sequence is kept and sampling goes on (the model then starts
-  a new document), so every sequence has exactly `length` tokens.
+  a new document), so every sequence has exactly `length` tokens;
+- up to ``batch`` sequences are sampled together (default 8), one incremental forward step per
+  token for the whole batch: openings of different lengths are left-padded and masked, and
+  each sequence's positions count from its own first token, so padding changes nothing but
+  rounding. The batch size is part of the settings (it decides the order of the random draws).
 
 `cached_self_tokens` stores the result as safetensors under a cache directory the caller passes,
 keyed by the model's revision or content fingerprint and every sampling setting: generating
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-SELFGEN_VERSION = 1
+SELFGEN_VERSION = 2
 
 # Neutral openings (no topic, no instruction) that vary how sequences begin.
 PROMPTS: tuple[str, ...] = (
@@ -64,6 +68,7 @@ class SelfGenConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     prompts: bool = True  # start after BOS with one of PROMPTS (needs a tokenizer)
+    batch: int = 8  # sequences sampled together
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -74,6 +79,8 @@ class SelfGenConfig:
             raise InvalidConfigError(f"temperature={self.temperature} must be in (0, 100)")
         if not (0 < self.top_p <= 1):
             raise InvalidConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.batch < 1:
+            raise InvalidConfigError(f"batch={self.batch} must be at least 1 sequence")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,41 +137,80 @@ def self_generated_tokens(
 ) -> torch.Tensor:
     """(count, length) int64 token ids sampled from `model` (see the module docstring).
 
-    The sequences are sampled one at a time with the model's key/value cache, so memory is one
-    sequence's cache and the result does not depend on how sequences would be batched."""
+    Sequences are sampled `config.batch` at a time with the model's key/value cache, so memory
+    is one batch's cache."""
     import torch
 
     config = config or SelfGenConfig()
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     gen = torch.Generator().manual_seed(int(config.seed))
     out = torch.empty(config.count, config.length, dtype=torch.int64)
-    # transformers renamed the key/value cache argument past_key_values -> cache
-    cache_kw = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    starts = _starts(model, tokenizer, config)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            for i, start in enumerate(_starts(model, tokenizer, config)):
-                ids = list(start)
-                step_in = torch.tensor([ids], dtype=torch.int64)
-                past: Any = None
-                while len(ids) < config.length:
-                    res = model(input_ids=step_in, use_cache=True, **{cache_kw: past})
-                    past = getattr(res, "cache", None)
-                    if past is None:
-                        past = res.past_key_values
-                    logits = res.logits[:, -1, :].float()  # (1, vocab')
-                    if vocab and logits.shape[-1] > vocab:
-                        logits = logits[:, :vocab]  # padded embedding rows are not tokens
-                    nxt = sample_next(logits, config.temperature, config.top_p, gen)  # (1,)
-                    ids.append(int(nxt[0]))
-                    step_in = nxt.view(1, 1)
-                out[i] = torch.tensor(ids, dtype=torch.int64)
-                report(progress, "generating", i + 1, config.count)
+            for first in range(0, config.count, config.batch):
+                rows = starts[first : first + config.batch]
+                out[first : first + len(rows)] = _sample_batch(model, rows, config, vocab, gen)
+                report(progress, "generating", first + len(rows), config.count)
     finally:
         model.train(was_training)
+    return out
+
+
+def _sample_batch(
+    model: nn.Module,
+    starts: list[list[int]],
+    config: SelfGenConfig,
+    vocab: int,
+    gen: torch.Generator,
+) -> torch.Tensor:
+    """(len(starts), length) ids: the openings left-padded to one length, then one step per
+    token for the whole batch (attention mask and per-row positions hide the padding)."""
+    import torch
+
+    rows = len(starts)
+    width = max(len(s) for s in starts)
+    ids = torch.zeros(rows, width, dtype=torch.int64)
+    mask = torch.zeros(rows, width, dtype=torch.int64)
+    for r, s in enumerate(starts):
+        ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.int64)
+        mask[r, width - len(s) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    lengths = torch.tensor([len(s) for s in starts])
+    # transformers renamed the key/value cache argument past_key_values -> cache
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    # Left padding aligns the openings' ends: after the first step every row has consumed its
+    # whole opening, and row r's k-th sampled token is its token len(start_r) + k.
+    steps = config.length - int(lengths.min())
+    sampled = torch.zeros(rows, steps, dtype=torch.int64)
+    step_in, step_pos, past = ids, positions, None
+    for k in range(steps):
+        res = model(
+            input_ids=step_in,
+            attention_mask=mask,
+            position_ids=step_pos,
+            use_cache=True,
+            **{cache_kw: past},
+        )
+        past = getattr(res, "cache", None)
+        if past is None:
+            past = res.past_key_values
+        logits = res.logits[:, -1, :].float()  # (rows, vocab')
+        if vocab and logits.shape[-1] > vocab:
+            logits = logits[:, :vocab]  # padded embedding rows are not tokens
+        nxt = sample_next(logits, config.temperature, config.top_p, gen)  # (rows,)
+        sampled[:, k] = nxt
+        step_in = nxt.view(rows, 1)
+        step_pos = step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+    out = torch.empty(rows, config.length, dtype=torch.int64)
+    for r, s in enumerate(starts):
+        out[r, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        out[r, len(s) :] = sampled[r, : config.length - len(s)]
     return out
 
 
