@@ -37,6 +37,8 @@ def environment() -> dict[str, Any]:
 def fmt(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         if v == 0:
             return "0"

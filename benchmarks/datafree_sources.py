@@ -65,6 +65,9 @@ from higgs_engine.planning.config import HiggsConfig  # noqa: E402
 from higgs_engine.profile import Profile  # noqa: E402
 
 BUDGETS = (4.13, 3.5)
+UNIFORM_GRIDS = ((2, 256), (2, 512))  # `--bits 4` (4.08 bits) and 4.58 bits
+EVAL_SELF_SEED = 1  # the profiles' self-generated text uses seed 0
+SOURCES = ("random", "self", "real", "real-b")
 HELD_OUT_FROM = 40  # real-text profile windows start after the quality benchmark's 40 windows
 
 
@@ -186,49 +189,95 @@ def run_smollm2(args: argparse.Namespace) -> None:
         write_results("datafree_sources", res, to_markdown(res), args.out_dir)
 
     from higgs_engine.evaluate import tokenize
+    from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens
 
     log(f"base ppl {base['ppl']:.3f}")
+    # A second evaluation text in the self-generated profile's own distribution: text the base
+    # model generates with another seed (never a profile's tokens). Linearity is judged where
+    # the alphas were measured, apart from how far that text is from news.
+    eval_self_cfg = SelfGenConfig(count=args.eval_windows, length=args.context, seed=EVAL_SELF_SEED)
+    if args.profile_cache is not None:
+        from higgs_engine.dynamic import source_fingerprint
+
+        self_eval_tokens = cached_self_tokens(
+            model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, eval_self_cfg
+        )
+    else:
+        from higgs_engine.selfgen import self_generated_tokens
+
+        self_eval_tokens = self_generated_tokens(model, tok, eval_self_cfg)
+    ev_self = CausalLMEval.from_windows(self_eval_tokens)
+    res["base_self_text"] = ev_self.prepare_base(model)
+    res["eval_self_text"] = eval_self_cfg.to_dict()
+    log(f"base ppl on self-generated evaluation text {res['base_self_text']['ppl']:.3f}")
     cache: dict[Any, Any] = {}
 
+    uniform_measured: dict[tuple[int, int], tuple[dict[str, float], dict[str, float]]] = {}
+
     def run_budgets(source: str, prof: Profile) -> None:
-        for budget in BUDGETS:
-            plan = plan_allocation(prof, hcfg, Target(avg_bits=budget), names=names)
-            grids = {
-                o.name: (None if o.p == 0 else (o.p, o.n)) for o in plan.allocation.overrides()
-            }
+        # uniform grids first (measured once: the allocation does not depend on the profile),
+        # then the profile's dynamic allocations
+        jobs: list[tuple[str, Any, float | None]] = [
+            ("uniform", grid, None) for grid in UNIFORM_GRIDS
+        ] + [("dynamic", None, budget) for budget in BUDGETS]
+        for kind, grid, budget in jobs:
+            if kind == "uniform":
+                grids: dict[str, tuple[int, int] | None] = {n: grid for n in names}
+                allocator_bits = None
+            else:
+                plan = plan_allocation(prof, hcfg, Target(avg_bits=budget), names=names)
+                grids = {
+                    o.name: (None if o.p == 0 else (o.p, o.n)) for o in plan.allocation.overrides()
+                }
+                allocator_bits = plan.allocation.avg_bits
             t2s, bits = quantize_alloc(sim, grids, hcfg, cache)
-            m = ev.evaluate(sim.model)
+            if kind == "uniform" and grid in uniform_measured:
+                m, ms = uniform_measured[grid]
+            else:
+                m, ms = ev.evaluate(sim.model), ev_self.evaluate(sim.model)
+                if kind == "uniform":
+                    uniform_measured[grid] = (m, ms)
             pred = math.fsum(max(0.0, prof.alphas()[n]) * t for n, t in t2s.items())
+            ratio = pred / m["kl"] if m["kl"] else None
+            ratio_self = pred / ms["kl"] if ms["kl"] else None
             res["runs"].append(
                 {
                     "source": source,
+                    "allocation": kind if kind == "dynamic" else f"uniform p={grid[0]} n={grid[1]}",
                     "target_bits": budget,
                     "bits": bits,
-                    "allocator_bits": plan.allocation.avg_bits,
+                    "allocator_bits": allocator_bits,
                     "kl": m["kl"],
                     "ppl": m["ppl"],
                     "predicted_kl": pred,
-                    "predicted_over_measured": pred / m["kl"] if m["kl"] else None,
+                    "predicted_over_measured": ratio,
+                    "within_20pct": None if ratio is None else abs(ratio - 1.0) <= 0.2,
+                    "kl_self_text": ms["kl"],
+                    "predicted_over_measured_self_text": ratio_self,
                     "grids": {n: (list(g) if g else None) for n, g in grids.items()},
                 }
             )
             log(
-                f"{source} @{budget}: bits {bits:.4f} KL {m['kl']:.4f} ppl {m['ppl']:.3f} predicted {pred:.4f}"
+                f"{source} {kind} {grid or budget}: bits {bits:.4f} KL {m['kl']:.4f} ppl {m['ppl']:.3f} predicted {pred:.4f}"
             )
             save()
 
     from higgs_engine.dynamic import get_profile
 
     held = tokenize(tok, text)[HELD_OUT_FROM * args.context :]
-    for source in ("random", "self", "real"):
+    for source in SOURCES:
         sim.restore()
         t0 = time.perf_counter()
         # Through the engine's cached get_profile, as `higgs quantize --avg-bits` runs it; "real"
-        # gets the held-out news text (decoded back from its tokens).
+        # gets the held-out news text (decoded back from its tokens), "real-b" the news text
+        # after that (two independent samples of the same distribution: their difference is
+        # the profile's sampling noise).
         cfg = pcfg if source != "random" else replace(pcfg, data_free="random")
         real_text = None
         if source == "real":
             real_text = tok.decode(held[: pcfg.tokens * 2].tolist())
+        if source == "real-b":
+            real_text = tok.decode(held[pcfg.tokens * 2 : pcfg.tokens * 4].tolist())
         prof = get_profile(SMOLLM_DIR, cfg, text=real_text, cache_dir=args.profile_cache)
         wall = time.perf_counter() - t0
         res["profiles"][source] = {
@@ -239,24 +288,49 @@ def run_smollm2(args: argparse.Namespace) -> None:
             "base_ppl_on_its_tokens": prof.base.get("ppl"),
             "alphas": prof.alphas(),
         }
-        if source == "self":
-            from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens
+        if source == "self" and args.profile_cache is not None:
+            sg = SelfGenConfig(count=pcfg.windows, length=pcfg.context, seed=pcfg.seed)
+            from higgs_engine.dynamic import source_fingerprint
 
-            if args.profile_cache is not None:
-                sg = SelfGenConfig(count=pcfg.windows, length=pcfg.context, seed=pcfg.seed)
-                from higgs_engine.dynamic import source_fingerprint
-
-                toks = cached_self_tokens(
-                    model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, sg
-                )
-                res["profiles"][source]["sample"] = tok.decode(toks[0, :80].tolist())
+            toks = cached_self_tokens(
+                model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, sg
+            )
+            res["profiles"][source]["sample"] = tok.decode(toks[0, :80].tolist())
         log(
             f"profile {source}: {wall:.0f}s this run, cost {prof.cost}, base ppl on its tokens {prof.base.get('ppl')}"
         )
         run_budgets(source, prof)
     sim.restore()
+    res["profile_agreement"] = profile_agreement(
+        {s: p["alphas"] for s, p in res["profiles"].items()}, "real"
+    )
     save()
     print(to_markdown(res))
+
+
+def profile_agreement(alphas: dict[str, dict[str, float]], ref: str) -> dict[str, Any]:
+    """How each profile's alphas differ from the `ref` profile's: the ratio of their sums, the
+    spread (standard deviation) of log(alpha / alpha_ref) over layers, and the ratio of sums per
+    layer type (the last part of the layer name)."""
+    out: dict[str, Any] = {}
+    base = alphas[ref]
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in base})
+    for source, a in alphas.items():
+        if source == ref:
+            continue
+        names = [n for n in base if base[n] > 0 and a.get(n, 0.0) > 0]
+        logs = [math.log(a[n] / base[n]) for n in names]
+        mean = math.fsum(logs) / len(logs)
+        out[source] = {
+            "sum_ratio": math.fsum(a[n] for n in names) / math.fsum(base[n] for n in names),
+            "log_ratio_std": math.sqrt(math.fsum((x - mean) ** 2 for x in logs) / len(logs)),
+            "by_type": {
+                k: math.fsum(a[n] for n in names if n.endswith("." + k))
+                / math.fsum(base[n] for n in names if n.endswith("." + k))
+                for k in kinds
+            },
+        }
+    return out
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -266,20 +340,26 @@ def to_markdown(res: dict[str, Any]) -> str:
         "",
         f"Fisher profiles ({res['profile_config']['windows']} x {res['profile_config']['context']} tokens, "
         f"{res['profile_config']['fisher_samples']} label draws per window) on random tokens, self-generated "
-        f"text and held-out news text; dynamic HIGGS at each budget, evaluated on the first {e['windows']} "
-        f"news windows of {e['context']} tokens (base perplexity {fmt(res['base']['ppl'])}). HIGGS settings: "
+        f"text and held-out news text; uniform HIGGS and dynamic HIGGS at each budget, evaluated on the first {e['windows']} "
+        f"news windows of {e['context']} tokens (base perplexity {fmt(res['base']['ppl'])}) and on "
+        f"{e['windows']} windows of text the model generates with seed {res.get('eval_self_text', {}).get('seed')} "
+        f"(base perplexity {fmt(res.get('base_self_text', {}).get('ppl'))}). HIGGS settings: "
         f"sign_seed {res['higgs_config']['sign_seed']}, scale rule {res['higgs_config']['scale_rule']}, "
         f"block {res['higgs_config']['rotation_block']}.",
         "",
     ]
     cols = [
         ("source", "profile tokens"),
+        ("allocation", "allocation"),
         ("target_bits", "target bits"),
         ("bits", "bits/weight"),
         ("kl", "KL"),
         ("ppl", "perplexity"),
         ("predicted_kl", "predicted KL"),
         ("predicted_over_measured", "predicted / measured"),
+        ("within_20pct", "within 20%"),
+        ("kl_self_text", "KL on self text"),
+        ("predicted_over_measured_self_text", "predicted / measured on self text"),
     ]
     lines += [markdown_table(res["runs"], cols), ""]
     prow = [
@@ -307,6 +387,33 @@ def to_markdown(res: dict[str, Any]) -> str:
         ),
         "",
     ]
+    agree = res.get("profile_agreement")
+    if agree:
+        kinds = sorted({k for v in agree.values() for k in v["by_type"]})
+        arow = [
+            {
+                "source": s,
+                "sum": v["sum_ratio"],
+                "std": v["log_ratio_std"],
+                **{f"t_{k}": v["by_type"][k] for k in kinds},
+            }
+            for s, v in agree.items()
+        ]
+        lines += [
+            "Alphas against the real-text profile's (real-b is a second, disjoint sample of the "
+            "same news text: its spread is the profile's sampling noise):",
+            "",
+            markdown_table(
+                arow,
+                [
+                    ("source", "profile tokens"),
+                    ("sum", "sum of alphas / real's"),
+                    ("std", "std over layers of log(alpha / real's)"),
+                    *[(f"t_{k}", k) for k in kinds],
+                ],
+            ),
+            "",
+        ]
     if "self" in res["profiles"] and "sample" in res["profiles"]["self"]:
         sample = res["profiles"]["self"]["sample"].replace("\n", " ").replace("|", "/")
         lines += [f"Start of a self-generated window: `{sample[:200]}`", ""]

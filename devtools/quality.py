@@ -383,6 +383,14 @@ class CausalLMEval:
         self.windows = text_windows(tokenize(tokenizer, text), context, windows)
         self.base: Any = None
 
+    @classmethod
+    def from_windows(cls, windows: torch.Tensor) -> CausalLMEval:
+        """The same evaluation on given (windows, context) token ids (e.g. generated text)."""
+        ev = cls.__new__(cls)
+        ev.windows = windows
+        ev.base = None
+        return ev
+
     def prepare_base(self, model: nn.Module, check: bool = False) -> dict[str, float]:
         """Store the base log-probs; return the base perplexity from them (KL 0 by definition).
 
