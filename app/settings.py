@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from higgs_engine.planning.profile import DEFAULT_PROFILE
+
 TASK_NAME = "higgs.run_job"
 DEFAULT_QUEUE = "higgs"
 GPU_QUEUE = "higgs.gpu"
@@ -81,15 +83,17 @@ class Settings(BaseSettings):
     dynamic_targets: bool = True
 
     # Dynamic HIGGS: how a model's sensitivity profile is measured (higgs_engine.profile).
-    # Data-free by default: KL from the base model on seeded random tokens, so a job needs no
-    # text. Token budget = profile_windows * profile_context (tests keep it tiny).
+    # Data-free by default: KL from the base model on text the model generates itself, so a job
+    # needs no text. The defaults are the engine's (higgs_engine.dynamic.DEFAULT_PROFILE). Token budget = profile_windows * profile_context (tests keep it tiny).
     # "auto": kl for a causal LM, cos (1 - cos of mean-pooled embeddings) for an encoder.
     profile_metric: Literal["auto", "kl", "ppl", "cos"] = "auto"
     profile_method: Literal["noise", "fisher"] = "fisher"
     # Token source without a text file: "self" (text the model generates, cached) or "random".
     profile_data_free: Literal["self", "random"] = "self"
-    profile_context: int = Field(default=512, ge=2)
-    profile_windows: int = Field(default=4, ge=1)
+    profile_context: int = Field(default=DEFAULT_PROFILE.context, ge=2)
+    profile_windows: int = Field(default=DEFAULT_PROFILE.windows, ge=1)
+    # Label draws per window for the fisher method (backward passes per window).
+    profile_fisher_samples: int = Field(default=DEFAULT_PROFILE.fisher_samples, ge=1)
     profile_seed: int = 0
     # Calibration text (UTF-8 file on the worker); None = random tokens. Needed for metric ppl.
     profile_text_file: Path | None = None

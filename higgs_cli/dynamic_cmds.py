@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_cli.main import CliError
+from higgs_engine.planning.profile import DEFAULT_PROFILE
 
 
 def _positive_float(text: str) -> float:
@@ -74,9 +75,9 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
     p.add_argument(
         f"--{prefix}tokens",
         type=int,
-        default=2048,
+        default=DEFAULT_PROFILE.tokens,
         metavar="N",
-        help="calibration token budget (default 2048)",
+        help=f"calibration token budget (default {DEFAULT_PROFILE.tokens})",
     )
     p.add_argument(
         f"--{prefix}context",
@@ -95,9 +96,9 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
     p.add_argument(
         f"--{prefix}samples",
         type=int,
-        default=4,
+        default=DEFAULT_PROFILE.fisher_samples,
         metavar="K",
-        help="label draws per window for --fast (default 4)",
+        help=f"label draws per window for --fast (default {DEFAULT_PROFILE.fisher_samples})",
     )
     p.add_argument(f"--{prefix}seed", type=int, default=0, metavar="S", help="seed (default 0)")
     p.add_argument(

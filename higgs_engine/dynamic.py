@@ -30,6 +30,7 @@ from higgs_engine.planning.plans import (
     plan_allocation,
 )
 from higgs_engine.planning.profile import (
+    DEFAULT_PROFILE,
     Profile,
     ProfileConfig,
     ProfileDirectory,
@@ -52,12 +53,6 @@ if TYPE_CHECKING:
 
     from higgs_engine.calibration import Calibration
 
-# The Fisher estimate matched noise injection on quality at a fraction of the cost
-# (benchmarks/results/dynamic.md); without a text the model's own generated text is used.
-# The metric is chosen per checkpoint (kl for a causal LM, cos for an encoder, whose Fisher
-# method is the Gauss-Newton estimate and whose data-free tokens are random: an encoder
-# cannot generate text); see planning.profile.resolve_profile_config.
-DEFAULT_PROFILE = ProfileConfig(method="fisher")
 DEFAULT_CONFIG = HiggsConfig()
 # A job needs the allocation, not the curve (POST /v1/plans and `higgs plan` draw that).
 _JOB_PARETO_STEP = 0.5

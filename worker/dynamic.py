@@ -29,6 +29,7 @@ from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.options import option_menu
 from higgs_engine.planning.plans import Target, annotate_report
 from higgs_engine.planning.profile import (
+    DEFAULT_PROFILE,
     Profile,
     ProfileConfig,
     ProfileDirectory,
@@ -56,8 +57,9 @@ class ProfileSettings:
     metric: str = "auto"  # resolved per checkpoint: kl for a causal LM, cos for an encoder
     method: str = "fisher"
     data_free: str = "self"
-    context: int = 512
-    windows: int = 4
+    context: int = DEFAULT_PROFILE.context
+    windows: int = DEFAULT_PROFILE.windows
+    fisher_samples: int = DEFAULT_PROFILE.fisher_samples
     seed: int = 0
     text_file: Path | None = None
     resolution: float = 1e-4
@@ -73,6 +75,7 @@ class ProfileSettings:
             data_free=settings.profile_data_free,
             context=settings.profile_context,
             windows=settings.profile_windows,
+            fisher_samples=settings.profile_fisher_samples,
             seed=settings.profile_seed,
             text_file=settings.profile_text_file,
             resolution=settings.plan_resolution,
@@ -86,6 +89,7 @@ class ProfileSettings:
             data_free=self.data_free,
             context=self.context,
             windows=self.windows,
+            fisher_samples=self.fisher_samples,
             seed=self.seed,
         )
 

@@ -89,6 +89,18 @@ class ProfileConfig:
         return cls(**d)
 
 
+# The Fisher estimate matched noise injection on quality at a fraction of the cost
+# (benchmarks/results/dynamic.md); without a text the model's own generated text is used.
+# The metric is chosen per checkpoint (kl for a causal LM, cos for an encoder, whose Fisher
+# method is the Gauss-Newton estimate and whose data-free tokens are random: an encoder
+# cannot generate text); see planning.profile.resolve_profile_config.
+# 16 windows of 512 tokens with one label draw each: self-generated documents differ widely
+# (genre, perplexity 3 to 75 on SmolLM2), so the number of documents, not of label draws,
+# decides how well the alphas predict (benchmarks/results/datafree_sources.md; docs/algorithm.md
+# section 4). 16 draws in all, as 4 windows x 4 draws had, for 16 forward passes instead of 4.
+DEFAULT_PROFILE = ProfileConfig(method="fisher", windows=16, fisher_samples=1)
+
+
 def resolve_profile_config(
     config: ProfileConfig, kind: str, max_positions: int | None = None
 ) -> ProfileConfig:
