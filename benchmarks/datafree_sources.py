@@ -54,11 +54,11 @@ from devtools.quality import (  # noqa: E402
     Method,
     SimulatedModel,
     hqq_fn,
-    load_causal_lm,
     load_encoder,
     news_sentences,
     nf4_dq_fn,
     run_methods,
+    smollm2_on_news,
 )
 from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
 from higgs_engine.planning.config import HiggsConfig  # noqa: E402
@@ -156,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_smollm2(args: argparse.Namespace) -> None:
     env = environment()
     t_run = time.perf_counter()
-    model, tok = load_causal_lm(SMOLLM_DIR)
-    text = NEWS_FILE.read_text(encoding="utf-8")
-    ev = CausalLMEval(tok, text, args.context, args.eval_windows)
-    base = ev.prepare_base(model)
-    sim = SimulatedModel(model)
+    model, tok, text, ev, base, sim = smollm2_on_news(args.context, args.eval_windows)
     names = [n for n, _ in sim.layers]
     hcfg = HiggsConfig()
     pcfg = DEFAULT_PROFILE

@@ -35,11 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
 from benchmarks.datafree_sources import HELD_OUT_FROM, quantize_alloc  # noqa: E402
 from devtools.quality import (  # noqa: E402
-    NEWS_FILE,
     SMOLLM_DIR,
-    CausalLMEval,
-    SimulatedModel,
+    data_ready,
     load_causal_lm,
+    smollm2_on_news,
 )
 from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
 from higgs_engine.planning.config import HiggsConfig  # noqa: E402
@@ -88,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_run:7.1f}s] {msg}", flush=True)
 
-    model, tok = load_causal_lm(SMOLLM_DIR)
-    text = NEWS_FILE.read_text(encoding="utf-8")
-    ev = CausalLMEval(tok, text, DEFAULT_PROFILE.context, args.eval_windows)
-    base = ev.prepare_base(model)
-    sim = SimulatedModel(model)
+    ok, why = data_ready()
+    if not ok:
+        print(why, file=sys.stderr)
+        return 2
+    model, tok, text, ev, base, sim = smollm2_on_news(DEFAULT_PROFILE.context, args.eval_windows)
     names = [n for n, _ in sim.layers]
     shapes = {n: list(sim.originals[n].shape) for n in names}
     float_model, _ = load_causal_lm(SMOLLM_DIR)

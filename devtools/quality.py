@@ -369,6 +369,18 @@ def load_encoder(path: Path) -> tuple[nn.Module, Any]:
 # Evaluators
 
 
+def smollm2_on_news(
+    context: int, windows: int
+) -> tuple[nn.Module, Any, str, CausalLMEval, dict[str, float], SimulatedModel]:
+    """SmolLM2-135M with its base figures on the first `windows` news windows: (model,
+    tokenizer, news text, evaluator, base figures, the model's quantizable layers)."""
+    model, tok = load_causal_lm(SMOLLM_DIR)
+    text = NEWS_FILE.read_text(encoding="utf-8")
+    ev = CausalLMEval(tok, text, context, windows)
+    base = ev.prepare_base(model)
+    return model, tok, text, ev, base, SimulatedModel(model)
+
+
 class CausalLMEval:
     """Perplexity and KL(base || model) on the first `windows` windows of `context` tokens.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,10 +112,11 @@ def test_cache_hit_and_keying(
 def greedy_reference(model: torch.nn.Module, start: list[int], length: int) -> list[int]:
     """Greedy decoding of one sequence by full forward passes: no cache, no padding."""
     ids = list(start)
+    cfg: Any = model.config
     with torch.no_grad():
         while len(ids) < length:
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits[: int(model.config.vocab_size)].argmax()))
+            ids.append(int(logits[: int(cfg.vocab_size)].argmax()))
     return ids
 
 
