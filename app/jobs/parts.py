@@ -108,6 +108,16 @@ def _part(job_id: str, attempt: int, idx: int) -> list[ColumnElement[bool]]:
     return [JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.idx == idx]
 
 
+def _running_part(
+    job_id: str, attempt: int, idx: int, worker_id: str | None
+) -> list[ColumnElement[bool]]:
+    """The part while it runs, on `worker_id` (None: on any worker)."""
+    conds = [*_part(job_id, attempt, idx), JobPart.state == PART_RUNNING]
+    if worker_id is not None:
+        conds.append(JobPart.worker_id == worker_id)
+    return conds
+
+
 # ---------------------------------------------------------------- the coordinator
 
 
@@ -273,9 +283,7 @@ def record_part_progress(
         session,
         update(JobPart)
         .where(
-            *_part(job_id, attempt, idx),
-            JobPart.state == PART_RUNNING,
-            JobPart.worker_id == worker_id,
+            *_running_part(job_id, attempt, idx, worker_id),
         )
         .values(**values),
     )
@@ -305,9 +313,7 @@ def finish_part(
         session,
         update(JobPart)
         .where(
-            *_part(job_id, attempt, idx),
-            JobPart.state == PART_RUNNING,
-            JobPart.worker_id == worker_id,
+            *_running_part(job_id, attempt, idx, worker_id),
             _job_is_live(job_id, attempt),
         )
         .values(
@@ -354,13 +360,10 @@ def fail_part(
     fails with the part's code and message, its other parts are cancelled. False when the
     job was no longer running this attempt (nothing changed)."""
     now = utcnow()
-    conds = [*_part(job_id, attempt, idx), JobPart.state == PART_RUNNING]
-    if worker_id is not None:
-        conds.append(JobPart.worker_id == worker_id)
     matched = _update_one(
         session,
         update(JobPart)
-        .where(*conds)
+        .where(*_running_part(job_id, attempt, idx, worker_id))
         .values(
             state=PART_FAILED,
             finished_at=now,
@@ -461,9 +464,7 @@ def release_lost_part(
         session,
         update(JobPart)
         .where(
-            *_part(job_id, attempt, idx),
-            JobPart.state == PART_RUNNING,
-            JobPart.worker_id == worker_id,
+            *_running_part(job_id, attempt, idx, worker_id),
         )
         .values(
             state=PART_QUEUED,
