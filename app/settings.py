@@ -84,7 +84,8 @@ class Settings(BaseSettings):
 
     # Dynamic HIGGS: how a model's sensitivity profile is measured (higgs_engine.profile).
     # Data-free by default: KL from the base model on text the model generates itself, so a job
-    # needs no text. The defaults are the engine's (higgs_engine.dynamic.DEFAULT_PROFILE). Token budget = profile_windows * profile_context (tests keep it tiny).
+    # needs no text. The defaults are the engine's (higgs_engine.planning.profile.DEFAULT_PROFILE).
+    # Token budget = profile_windows * profile_context (tests keep it tiny).
     # "auto": kl for a causal LM, cos (1 - cos of mean-pooled embeddings) for an encoder.
     profile_metric: Literal["auto", "kl", "ppl", "cos"] = "auto"
     profile_method: Literal["noise", "fisher"] = "fisher"

@@ -191,17 +191,12 @@ def run_smollm2(args: argparse.Namespace) -> None:
     # A second evaluation text in the self-generated profile's own distribution: text the base
     # model generates with another seed (never a profile's tokens). Linearity is judged where
     # the alphas were measured, apart from how far that text is from news.
+    from higgs_engine.dynamic import source_fingerprint
+
     eval_self_cfg = SelfGenConfig(count=args.eval_windows, length=args.context, seed=EVAL_SELF_SEED)
-    if args.profile_cache is not None:
-        from higgs_engine.dynamic import source_fingerprint
-
-        self_eval_tokens = cached_self_tokens(
-            model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, eval_self_cfg
-        )
-    else:
-        from higgs_engine.selfgen import self_generated_tokens
-
-        self_eval_tokens = self_generated_tokens(model, tok, eval_self_cfg)
+    self_eval_tokens = cached_self_tokens(  # no cache directory: generated, not stored
+        model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, eval_self_cfg
+    )
     ev_self = CausalLMEval.from_windows(self_eval_tokens)
     res["base_self_text"] = ev_self.prepare_base(model)
     res["eval_self_text"] = eval_self_cfg.to_dict()
@@ -286,8 +281,6 @@ def run_smollm2(args: argparse.Namespace) -> None:
         }
         if source == "self" and args.profile_cache is not None:
             sg = SelfGenConfig(count=pcfg.windows, length=pcfg.context, seed=pcfg.seed)
-            from higgs_engine.dynamic import source_fingerprint
-
             toks = cached_self_tokens(
                 model, tok, source_fingerprint(SMOLLM_DIR), args.profile_cache, sg
             )

@@ -178,14 +178,13 @@ def _sample_batch(
         ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.int64)
         mask[r, width - len(s) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lengths = torch.tensor([len(s) for s in starts])
     # transformers renamed the key/value cache argument past_key_values -> cache
     cache_kw = (
         "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     )
     # Left padding aligns the openings' ends: after the first step every row has consumed its
     # whole opening, and row r's k-th sampled token is its token len(start_r) + k.
-    steps = config.length - int(lengths.min())
+    steps = config.length - min(len(s) for s in starts)
     sampled = torch.zeros(rows, steps, dtype=torch.int64)
     step_in, step_pos, past = ids, positions, None
     for k in range(steps):

@@ -96,8 +96,8 @@ class ProfileConfig:
 # cannot generate text); see planning.profile.resolve_profile_config.
 # 16 windows of 512 tokens with one label draw each: self-generated documents differ widely
 # (genre, perplexity 3 to 75 on SmolLM2), so the number of documents, not of label draws,
-# decides how well the alphas predict (benchmarks/results/datafree_sources.md; docs/algorithm.md
-# section 4). 16 draws in all, as 4 windows x 4 draws had, for 16 forward passes instead of 4.
+# decides how well the alphas predict (benchmarks/results/profile_documents.md and
+# datafree_sources.md; docs/algorithm.md section 4). 16 draws in all, as 4 windows x 4 draws had, for 16 forward passes instead of 4.
 DEFAULT_PROFILE = ProfileConfig(method="fisher", windows=16, fisher_samples=1)
 
 
