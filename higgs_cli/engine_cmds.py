@@ -36,7 +36,8 @@ def register(subparsers: Any) -> None:
         help="quantize a Hugging Face checkpoint with HIGGS",
         description=(
             "Quantize SOURCE (a checkpoint directory, a .gguf file or a Hub id) and write "
-            "DIR/native, DIR/dequantized and DIR/report.json."
+            "DIR/native, DIR/dequantized and DIR/report.json; with --format gguf, "
+            "DIR/gguf/*.gguf for llama.cpp (its own types, chosen per tensor by the allocator)."
         ),
     )
     q.add_argument("source", metavar="SOURCE", help="checkpoint directory, .gguf file or Hub id")
@@ -76,7 +77,8 @@ def register(subparsers: Any) -> None:
         "--format",
         default="native,dequantized",
         metavar="F[,F]",
-        help="artifacts to write: native, dequantized or both (default both)",
+        help="artifacts to write: native, dequantized or both (default both); or gguf alone "
+        "(a llama.cpp file)",
     )
     q.add_argument(
         "--dtype",
@@ -128,6 +130,9 @@ def register(subparsers: Any) -> None:
     dyn = _dynamic_hooks()
     if dyn is not None:
         dyn.add_quantize_args(q)  # --avg-bits / --max-ppl-increase / --profile ...
+    from higgs_cli import gguf_cmds
+
+    gguf_cmds.add_quantize_args(q)
     q.set_defaults(handler=cmd_quantize)
 
     e = subparsers.add_parser(
@@ -179,10 +184,8 @@ class StageBars:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            unit = (
-                "layer"
-                if stage == "quantizing"
-                else ("window" if stage == "evaluating" else "step")
+            unit = {"quantizing": "layer", "evaluating": "window", "measuring": "tensor"}.get(
+                stage, "step"
             )
             # disable=None: tqdm turns itself off when stderr is not a terminal.
             self.bar = tqdm(
@@ -284,7 +287,27 @@ def _calibration(args: argparse.Namespace, text: str | None, progress: Any) -> A
         raise
 
 
+def _quantize_gguf(args: argparse.Namespace) -> int:
+    from higgs_cli import gguf_cmds
+
+    quiet_libraries()
+    bars = StageBars(args.quiet)
+    try:
+        rep = gguf_cmds.gguf_quantize(args, bars)
+    finally:
+        bars.close()
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
+    else:
+        print("\n".join(gguf_cmds.summary_lines(rep, Path(args.out))))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from higgs_cli import gguf_cmds
+
+    if gguf_cmds.wants_gguf(args):
+        return _quantize_gguf(args)
     cfg = _engine_config(args)  # validate before importing torch
     cal_text = _calibration_text(args)
     from higgs_engine.pipeline import quantize_checkpoint
@@ -373,6 +396,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.windows < 1:
         raise CliError(f"--windows {args.windows} must be at least 1")
     text = read_text(Path(args.text))
+    if args.model.endswith(".gguf"):
+        from higgs_cli import gguf_cmds
+
+        bars = StageBars(args.quiet)
+        try:
+            found = gguf_cmds.eval_gguf(args, text, bars)
+        finally:
+            bars.close()
+        gguf_cmds.print_eval(found, args.json)
+        return 0
 
     import torch
 

@@ -230,9 +230,11 @@ def obtain_profile(
     compute: bool = True,
     progress: ProgressCallback | None = None,
     selfgen_cache: Path | None = None,
+    embeddings: bool = False,
 ) -> ProfileResult:
     """The profile of `source`'s quantizable layers (less `skip`) for `config` on `text`
-    (None = random tokens, data-free).
+    (None = random tokens, data-free); with `embeddings`, of the token embedding and an untied
+    output head too (model_structure.embedding_layers: what GGUF files quantize).
 
     The first store holding one the request accepts wins; otherwise it is measured (resuming a
     partial one kept by the stores) and saved to every store. compute=False raises
@@ -244,6 +246,10 @@ def obtain_profile(
     t0 = time.perf_counter()
     src = resolve_source(source, revision, token)
     names = quantizable_layers(src.path, skip)
+    if embeddings:
+        from higgs_engine.model_structure import embedding_layers
+
+        names = [*names, *(n for n in embedding_layers(src.path) if n not in names)]
     config = profile_config_for(src.path, config)
     request = ProfileRequest(
         model=src.id,

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import (
     CorruptCheckpointError,
@@ -224,3 +224,25 @@ def quantizable_layers(
     if isinstance(config, str | Path):
         config = load_config(Path(config))
     return [s.name for s in layer_specs(config) if not is_skipped(s.name, skip)]
+
+
+def embedding_layers(config: PretrainedConfig | Path | str) -> list[str]:
+    """Module names of the token embedding and of the output head when it has its own weight (a
+    head tied to the embedding shares the embedding's weight and is not listed twice)."""
+    if isinstance(config, str | Path):
+        config = load_config(Path(config))
+    model: Any = build_meta_model(config)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    emb = model.get_input_embeddings()
+    if emb is not None and id(emb) in names:
+        out.append(names[id(emb)])
+    get_out: Any = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if (
+        head is not None
+        and id(head) in names
+        and (emb is None or getattr(head, "weight", None) is not getattr(emb, "weight", None))
+    ):
+        out.append(names[id(head)])
+    return out

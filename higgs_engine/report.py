@@ -18,6 +18,8 @@ class LayerReport:
     rel_error: float  # t^2 = ||W_hat - W||^2 / ||W||^2
     bytes: int  # bytes this layer occupies in the native artifact
     alpha: float | None = None  # sensitivity from a profile, when known
+    # llama.cpp tensor type of a GGUF file's tensor (p = n = 0 there); None for HIGGS layers
+    type: str | None = None
 
 
 @dataclass

@@ -297,3 +297,45 @@ def assert_problem(r: Any, status: int, field: str | None = None) -> dict[str, A
 # The app tests' HIGGS_METRICS_KEY (tests/app/conftest.py), and the header that reads /metrics.
 METRICS_KEY = "metrics-test-key"
 METRICS_AUTH = {"Authorization": f"Bearer {METRICS_KEY}"}
+
+
+def build_tiny_spm_tokenizer(dest: Path, vocab_size: int = 320) -> Path:
+    """Train a SentencePiece BPE model (byte fallback, `vocab_size` pieces) on TINY_TEXT and save
+    it as dest/tokenizer.model: the Llama tokenizer format llama.cpp's converter reads without a
+    table of known pre-tokenizers (a byte-level BPE trained here is unknown to that table)."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TINY_TEXT.split(". ") * 20),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.model").write_bytes(buf.getvalue())
+    return dest
+
+
+def build_gguf_llama(dest: Path, *, hidden: int = 256, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny Llama that llama.cpp's converter takes: rows of `hidden` values (256: every
+    K-quant fits; 96: only the 32-value types do) and a SentencePiece tokenizer."""
+    build_tiny_checkpoint(
+        "llama",
+        dest,
+        seed=seed,
+        tokenizer=False,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        **overrides,
+    )
+    return build_tiny_spm_tokenizer(dest)

@@ -1,0 +1,9 @@
+"""GGUF files for llama.cpp: llama.cpp's converter and quantizer driven by the engine's
+allocator (one llama.cpp type per tensor), and evaluation in llama.cpp itself.
+
+convert   llama.cpp's converter (HF checkpoint -> 16-bit GGUF), its architecture list
+llama     llama.cpp through llama-cpp-python: row kernels, llama_model_quantize, running a model
+plan      t^2 per tensor and type, profile alphas per tensor, the DP allocation
+evaluate  perplexity / KL (1 - cos for encoders) in llama.cpp against the 16-bit file
+run       the whole run: quantize_gguf(GgufRun(...)) -> Report
+"""

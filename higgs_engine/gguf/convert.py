@@ -1,0 +1,124 @@
+"""llama.cpp's own converter: a Hugging Face checkpoint -> a 16-bit GGUF file with the model's
+architecture metadata, tokenizer and chat template, exactly as llama.cpp expects them.
+
+The converter (convert_hf_to_gguf.py with its conversion/ package and the gguf-py library of the
+same llama.cpp commit) is not on PyPI as a module: scripts/setup copies it from the
+llama-cpp-python source distribution into `<venv>/share/higgs-service/llama.cpp/`, and the
+worker image does the same. It runs as a subprocess of the current interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from higgs_engine.errors import UnsupportedModelError
+from higgs_engine.gguf.llama import LlamaError, LlamaUnavailableError
+
+CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
+
+
+def default_converter_dir() -> Path:
+    """Where scripts/setup and the worker image put llama.cpp's converter."""
+    return Path(sys.prefix) / "share" / "higgs-service" / "llama.cpp"
+
+
+def converter_dir(path: Path | None = None) -> Path:
+    """The converter's directory (holding convert_hf_to_gguf.py, conversion/, gguf-py/)."""
+    d = Path(path) if path is not None else default_converter_dir()
+    if not (d / CONVERTER_SCRIPT).is_file():
+        raise LlamaUnavailableError(
+            f"llama.cpp's converter is not installed at {d} (scripts/setup copies "
+            f"{CONVERTER_SCRIPT} there from the llama-cpp-python source)"
+        )
+    return d
+
+
+@functools.lru_cache(maxsize=8)
+def _architectures(d: Path) -> frozenset[str]:
+    names: set[str] = set()
+    files = [d / CONVERTER_SCRIPT, *sorted((d / "conversion").glob("*.py"))]
+    for f in files:
+        tree = ast.parse(f.read_text(encoding="utf-8"), filename=str(f))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr == "register":
+                names.update(
+                    a.value
+                    for a in node.args
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                )
+    return frozenset(names)
+
+
+def supported_architectures(path: Path | None = None) -> frozenset[str]:
+    """The Hugging Face `architectures` names the installed converter registers (read from its
+    source, not imported)."""
+    return _architectures(converter_dir(path))
+
+
+def check_architecture(architectures: list[str] | None, path: Path | None = None) -> str:
+    """The first of a checkpoint's `architectures` the converter knows, or UnsupportedModelError
+    naming them."""
+    known = supported_architectures(path)
+    for a in architectures or []:
+        if a in known:
+            return a
+    raise UnsupportedModelError(
+        f"llama.cpp's converter does not know the architecture {architectures or '(none)'}; "
+        "choose the native or dequantized format for this model"
+    )
+
+
+def convert_checkpoint(
+    checkpoint: Path,
+    out_file: Path,
+    *,
+    outtype: str = "auto",
+    converter: Path | None = None,
+    split_max_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> Path:
+    """Run llama.cpp's converter on a local checkpoint directory; returns `out_file`.
+
+    outtype: "auto" (the checkpoint's own 16-bit type: bf16 stays bf16, float32 becomes f16),
+    "f16", "bf16" or "f32". With `split_max_bytes`, shards of at most that size named
+    <out_file stem>-0000k-of-0000N.gguf (llama.cpp's split files); `out_file` is then the first.
+    A failure raises LlamaError with the converter's last lines."""
+    d = converter_dir(converter)
+    cmd = [
+        sys.executable,
+        str(d / CONVERTER_SCRIPT),
+        str(checkpoint),
+        "--outfile",
+        str(out_file),
+        "--outtype",
+        outtype,
+    ]
+    if split_max_bytes is not None:
+        cmd += ["--split-max-size", str(int(split_max_bytes))]
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter must use the gguf-py of its own commit
+    env["HF_HUB_OFFLINE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        raise LlamaError(f"llama.cpp's converter ran past {timeout_s} s on {checkpoint}") from e
+    written = (
+        sorted(out_file.parent.glob(f"{out_file.stem}-*-of-*.gguf"))
+        if split_max_bytes is not None
+        else [out_file]
+    )
+    if res.returncode != 0 or not written or not written[0].is_file():
+        tail = "\n".join((res.stderr or res.stdout or "").strip().splitlines()[-6:])
+        raise LlamaError(f"llama.cpp's converter failed on {checkpoint.name}: {tail}")
+    return written[0]
