@@ -27,6 +27,23 @@ COPY higgs_cli ./higgs_cli
 COPY worker ./worker
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
+# ---------------------------------------------------------------- llama.cpp (the gguf format)
+# llama-cpp-python is published as source only: built here once, for any x86-64 CPU
+# (GGML_NATIVE=OFF), with llama.cpp's converter taken from the same source distribution.
+FROM base AS llama
+ARG LLAMA_CPP_VERSION=0.3.36
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+RUN pip download --no-deps --no-binary :all: "llama-cpp-python==${LLAMA_CPP_VERSION}" -d /llama \
+    && CMAKE_ARGS="-DGGML_NATIVE=OFF" pip wheel --no-deps \
+       "/llama/llama_cpp_python-${LLAMA_CPP_VERSION}.tar.gz" --wheel-dir /llama/wheels \
+    && mkdir -p /llama/src /llama/convert \
+    && tar -xzf "/llama/llama_cpp_python-${LLAMA_CPP_VERSION}.tar.gz" -C /llama/src --wildcards \
+       "*/vendor/llama.cpp/convert_hf_to_gguf.py" "*/vendor/llama.cpp/conversion/*" \
+       "*/vendor/llama.cpp/gguf-py/*" "*/vendor/llama.cpp/LICENSE" \
+    && cp -r /llama/src/*/vendor/llama.cpp/. /llama/convert/ \
+    && echo "${LLAMA_CPP_VERSION}" > /llama/convert/VERSION
+
 # ---------------------------------------------------------------- API (light: no torch)
 FROM base AS api
 COPY --from=wheel /wheels /wheels
@@ -52,7 +69,12 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 COPY --from=wheel /wheels /wheels
-RUN pip install --find-links /wheels "higgs-service[worker]" "torch==${TORCH_VERSION}" && rm -rf /wheels
+COPY --from=llama /llama/wheels /wheels
+# The engine finds llama.cpp's converter under <prefix>/share/higgs-service/llama.cpp; its
+# gguf-py (the same llama.cpp commit) replaces PyPI's gguf.
+COPY --from=llama /llama/convert /usr/local/share/higgs-service/llama.cpp
+RUN pip install --find-links /wheels "higgs-service[worker]" "torch==${TORCH_VERSION}" \
+    && pip install --no-deps /usr/local/share/higgs-service/llama.cpp/gguf-py && rm -rf /wheels
 WORKDIR /app
 USER higgs
 ENV HIGGS_DATA_DIR=/data \
