@@ -250,8 +250,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             )
         print(_summary_line(job))
         if args.out:
-            download_artifact(api, job_id, args.format, Path(args.out), show=not args.quiet)
-            print(f"downloaded {args.format} artifact to {args.out}")
+            fmt = args.format or (body.get("options", {}).get("formats") or ["native"])[0]
+            download_artifact(api, job_id, fmt, Path(args.out), show=not args.quiet)
+            print(f"downloaded {fmt} artifact to {args.out}")
         print(job_id)
         return 0
     finally:
@@ -444,7 +445,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--p", type=int, default=None, help="grid dimension (1 or 2)")
     p.add_argument("--n", type=int, default=None, help="grid size")
     p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--formats", default=None, help="comma separated: native,dequantized")
+    p.add_argument(
+        "--formats",
+        default=None,
+        help="comma separated: native,dequantized (HIGGS), or gguf alone (a llama.cpp file)",
+    )
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")
     p.add_argument(
@@ -464,7 +469,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--webhook-url", default=None, help="POST a signed event here when the job ends")
     p.add_argument("--wait", action="store_true", help="follow progress until the job ends")
     p.add_argument("--out", default=None, help="with --wait: download the artifact here")
-    p.add_argument("--format", default="native", help="artifact format to download (native)")
+    p.add_argument(
+        "--format",
+        default=None,
+        help="artifact format to download (default: the first of --formats, else native)",
+    )
     p.add_argument("--interval", type=_positive(float), default=0.5, help="poll interval, seconds")
     p.add_argument(
         "--timeout", type=_positive(float), default=None, help="give up waiting after S seconds"

@@ -166,7 +166,7 @@ def register_local_models(sessions: sessionmaker[Session], models_dir: Path | No
     names that are gone are removed). Called on every sweep, so the rows stay fresh."""
     if models_dir is None:
         return []
-    from app.jobs.local_models import register, scan_models_dir
+    from app.jobs.local_models import read_architecture, register, scan_models_dir
     from app.jobs.model_ref import ModelRefError
     from app.jobs.model_ref import resolve_model as check_ref
 
@@ -178,6 +178,7 @@ def register_local_models(sessions: sessionmaker[Session], models_dir: Path | No
             continue
         names.append(name)
     holder = f"{socket.gethostname()}:{models_dir}"[:255]
+    archs = {n: read_architecture(models_dir / n) for n in names}
     with sessions() as s:
-        register(s, names, holder)
+        register(s, names, holder, architectures=archs)
     return names

@@ -628,7 +628,12 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     requested = (request.get("model") or {}).get("revision")
     job_cfg = JobConfig.load(attempt.claimed.config)
     # Dynamic targets fan out after the profile and the allocation (one worker, here).
-    may_fan_out = attempt.dispatch is not None and not job_cfg.calibration and not job_cfg.evaluate
+    may_fan_out = (
+        attempt.dispatch is not None
+        and not job_cfg.calibration
+        and not job_cfg.evaluate
+        and not job_cfg.gguf
+    )
     source = resolve_model(
         model_id,
         pinned or requested,
@@ -679,6 +684,8 @@ def _run_attempt(attempt: Attempt) -> Path | None:
                 offline=cfg.hf_offline,
             )
     evaluate = job_cfg.evaluate
+    if job_cfg.gguf:
+        return _run_gguf(attempt, job_cfg, source, requested)
     if evaluate and "native" not in engine_cfg.formats:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     if evaluate and cfg.eval_text_file is None:
@@ -727,6 +734,43 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         report.save(out / "report.json")
     final = publish_result(attempt, out, report, list(engine_cfg.formats), source.revision)
     log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
+    return final
+
+
+def _run_gguf(
+    attempt: Attempt, job_cfg: JobConfig, source: Any, requested: str | None
+) -> Path | None:
+    """A GGUF job: llama.cpp's types per tensor for the target (worker.gguf)."""
+    from worker.gguf import quantize_gguf_job
+
+    cfg = attempt.cfg
+    if job_cfg.evaluate and cfg.eval_text_file is None:
+        raise InvalidConfigError(
+            f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
+        )
+    attempt.staging.mkdir(parents=True, exist_ok=True)
+    out = attempt.staging / "out"
+    t0 = time.perf_counter()
+    report = quantize_gguf_job(
+        attempt.sessions,
+        source,
+        requested,
+        out,
+        dict(job_cfg.target),
+        cfg.profiles,
+        attempt.writer,
+        eval_text_file=cfg.eval_text_file if job_cfg.evaluate else None,
+        eval_context=cfg.eval_context,
+        eval_windows=cfg.eval_windows,
+    )
+    engine_s = time.perf_counter() - t0
+    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+    report.metrics.setdefault("service", {}).update(
+        {"worker_id": attempt.worker_id, "engine_wall_s": round(engine_s, 4)}
+    )
+    report.save(out / "report.json")
+    final = publish_result(attempt, out, report, ["gguf"], source.revision)
+    log.info("job %s: succeeded in %.2f s (engine, gguf)", attempt.job_id, engine_s)
     return final
 
 

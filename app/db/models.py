@@ -120,6 +120,8 @@ class JobLayer(Base):
     rel_error: Mapped[float | None] = mapped_column(Float, default=None)
     alpha: Mapped[float | None] = mapped_column(Float, default=None)
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # llama.cpp tensor type (Q4_K, F16...) of a GGUF job's tensor; None for HIGGS layers
+    type: Mapped[str | None] = mapped_column(String(16), default=None)
 
     job: Mapped[Job] = relationship(back_populates="layers")
 
@@ -221,6 +223,9 @@ class LocalModel(Base):
     holder: Mapped[str] = mapped_column(String(255), primary_key=True)
     # Last time the worker registered it; None for an operator's rows (never stale).
     seen_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The first `architectures` entry of its config.json (None: not known, e.g. an operator's
+    # row or a config without one).
+    architecture: Mapped[str | None] = mapped_column(String(128), default=None)
 
 
 class Calibration(Base):

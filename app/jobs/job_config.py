@@ -7,7 +7,9 @@ stored, so a job queued before an upgrade still runs after it:
     version 1   {"version": 1, "engine": <HiggsConfig.to_dict()>,
                  "target": {"bits" | "avg_bits" | "max_ppl_increase": number},
                  "evaluate": bool,   ("evaluate" may be missing in early rows: false)
-                 "calibration": {"id", "sha256", "bytes", "tokens"}}  (calibrated jobs only)
+                 "calibration": {"id", "sha256", "bytes", "tokens"},  (calibrated jobs only)
+                 "menu_p": int,  (dynamic jobs restricted to one grid dimension only)
+                 "gguf": true}  (GGUF jobs only: llama.cpp's types; "engine" then unused)
 
 A new shape gets a new version number and a branch in `load`; `to_dict` always writes the
 newest one.
@@ -46,6 +48,9 @@ class JobConfig(BaseModel):
     # (options.p); None = every dimension. Configs written before this field existed leave it
     # out and the worker reads options.p from the stored request instead.
     menu_p: int | None = None
+    # A GGUF file for llama.cpp (options.formats ["gguf"]): llama.cpp's types per tensor for the
+    # target; `engine` then carries the HIGGS defaults and is not used. Absent (false) otherwise.
+    gguf: bool = False
 
     @field_validator("engine")
     @classmethod
@@ -86,6 +91,8 @@ class JobConfig(BaseModel):
             d.pop("calibration", None)  # data-free jobs keep the shape they always had
         if d.get("menu_p") is None:
             d.pop("menu_p", None)
+        if not d.get("gguf"):
+            d.pop("gguf", None)
         return d
 
     @property

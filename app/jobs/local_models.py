@@ -35,12 +35,34 @@ def scan_models_dir(models_dir: Path) -> list[str]:
     )
 
 
+def read_architecture(checkpoint: Path) -> str | None:
+    """The first `architectures` entry of checkpoint/config.json, or None (missing, unreadable
+    or without one)."""
+    import json
+
+    try:
+        cfg = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0][:128]
+    return None
+
+
 def register(
-    session: Session, names: Iterable[str], holder: str, *, now: datetime | None = None
+    session: Session,
+    names: Iterable[str],
+    holder: str,
+    *,
+    now: datetime | None = None,
+    architectures: dict[str, str | None] | None = None,
 ) -> None:
     """`holder` (a worker id, or OPERATOR) has exactly these names now: its other rows go.
-    Workers' rows get seen_at = now; the operator's have none (they never go stale)."""
+    Workers' rows get seen_at = now; the operator's have none (they never go stale).
+    `architectures`: each name's config.json architecture, stored on its row."""
     names = sorted(set(names))
+    archs = architectures or {}
     seen = None if holder == OPERATOR else (now or utcnow())
     existing = set(
         session.scalars(select(LocalModel.name).where(LocalModel.holder == holder)).all()
@@ -51,8 +73,12 @@ def register(
         )
         for row in session.scalars(select(LocalModel).where(LocalModel.holder == holder)):
             row.seen_at = seen
+            if row.name in archs:
+                row.architecture = archs[row.name]
     session.add_all(
-        LocalModel(name=n, holder=holder, seen_at=seen) for n in names if n not in existing
+        LocalModel(name=n, holder=holder, seen_at=seen, architecture=archs.get(n))
+        for n in names
+        if n not in existing
     )
     session.commit()
 
@@ -120,6 +146,21 @@ class Registry:
     def any(self) -> bool:
         with self.sessions() as s:
             return any_registered(s, self.stale_after_s)
+
+    def architecture(self, name: str) -> str | None:
+        """The architecture a live row of `name` records (None: unknown)."""
+        with self.sessions() as s:
+            found = s.scalar(
+                select(LocalModel.architecture)
+                .where(
+                    LocalModel.name == name,
+                    LocalModel.architecture.is_not(None),
+                    _live(self.stale_after_s, None),  # type: ignore[arg-type]
+                )
+                .limit(1)
+            )
+            s.rollback()
+            return found
 
 
 def stale_after_s(settings: Settings) -> float:

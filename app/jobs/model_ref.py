@@ -57,6 +57,8 @@ class LocalNames(Protocol):
 
     def any(self) -> bool: ...
 
+    def architecture(self, name: str) -> str | None: ...
+
 
 def resolve_model(
     model_id: str,

@@ -162,6 +162,7 @@ def get_job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> Layer
                 alpha=r.alpha,
                 rel_error=r.rel_error,
                 bytes=r.bytes,
+                type=r.type,
             )
             for r in rows
         ],

@@ -24,6 +24,7 @@ class LayerRow:
     rel_error: float | None = None
     alpha: float | None = None
     bytes: int = 0
+    type: str | None = None  # llama.cpp tensor type of a GGUF job's tensor
 
     @classmethod
     def from_report(cls, idx: int, row: Mapping[str, Any]) -> LayerRow:
@@ -38,6 +39,7 @@ class LayerRow:
                 rel_error=None if row.get("rel_error") is None else float(row["rel_error"]),
                 alpha=None if row.get("alpha") is None else float(row["alpha"]),
                 bytes=int(row.get("bytes", 0)),
+                type=None if row.get("type") is None else str(row["type"])[:16],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRowError(f"layer row {idx} ({dict(row)!r}) is malformed: {e}") from e

@@ -19,7 +19,9 @@ from pydantic import (
 from higgs_engine.planning.config import DEFAULT_SCALE_RULE, DEFAULT_SIGN_SEED, ScaleRule
 from higgs_engine.planning.layout import is_power_of_two
 
-Format = Literal["native", "dequantized"]
+# native / dequantized: HIGGS artifacts (the default pair); gguf: one file for llama.cpp, in
+# llama.cpp's own types chosen per tensor by the allocator (asked for alone).
+Format = Literal["native", "dequantized", "gguf"]
 _ALL_FORMATS: tuple[Format, ...] = ("native", "dequantized")
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # Seeds are stored in JSON and given to torch generators: a signed 64-bit range, non-negative.
@@ -182,8 +184,11 @@ class Options(Strict):
     formats: list[Format] = Field(
         default_factory=lambda: list(_ALL_FORMATS),
         min_length=1,
-        max_length=len(_ALL_FORMATS),
+        max_length=3,
         json_schema_extra={"uniqueItems": True},
+        description="native and/or dequantized (HIGGS, the default pair), or gguf alone: a "
+        "GGUF file for llama.cpp whose tensors take llama.cpp's own types, chosen by the "
+        "allocator for the target",
     )
     evaluate: bool = False
     skip: list[str] = Field(
@@ -284,12 +289,15 @@ class JobPage(BaseModel):
 class LayerOut(BaseModel):
     name: str
     shape: list[int]
-    p: int
+    p: int = Field(description="HIGGS grid dimension; 0 = kept in 16 bits or a GGUF tensor")
     n: int
     bits: float
     alpha: float | None
     rel_error: float | None
     bytes: int
+    type: str | None = Field(
+        default=None, description="llama.cpp tensor type (Q4_K, IQ4_XS, F16...) of a GGUF job"
+    )
 
 
 class LayersOut(BaseModel):

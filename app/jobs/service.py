@@ -27,7 +27,8 @@ from app.errors import (
 )
 from app.jobs import repository, state
 from app.jobs.job_config import JobConfig
-from app.jobs.model_ref import LocalNames, ModelRefError, resolve_model
+from app.jobs.local_models import read_architecture
+from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
 from app.jobs.schemas import JobCreate, JobOut, Options
 from app.keys.service import AuthKey
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim
@@ -75,7 +76,7 @@ def validate_request(
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
     `registry`: the local models the workers registered (the API needs no models folder)."""
     try:
-        resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
+        ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
 
@@ -88,10 +89,14 @@ def validate_request(
             f"target.{kind} is not supported yet: dynamic HIGGS targets are switched off on "
             "this service (HIGGS_DYNAMIC_TARGETS=false); use target.bits",
         )
+    gguf = "gguf" in opts.formats
+    if gguf:
+        check_gguf_request(req, ref, registry)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
-        "formats": tuple(opts.formats),
+        # a GGUF job's HIGGS config is unused: the engine's defaults
+        "formats": ("native",) if gguf else tuple(opts.formats),
         "skip": tuple(opts.skip),
         "dtype": opts.dtype,
         "sign_seed": opts.sign_seed,
@@ -149,11 +154,57 @@ def validate_request(
             engine=cfg.to_dict(),
             target={kind: value},
             evaluate=opts.evaluate,
-            menu_p=opts.p if kind in DYNAMIC_TARGETS else None,
+            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
+            gguf=gguf,
         ),
         model_id=req.model.id,
         webhook_url=webhook_url,
     )
+
+
+def check_gguf_request(req: JobCreate, ref: ModelSource, registry: LocalNames | None) -> None:
+    """What a GGUF job can be asked for: the format alone, data-free, a target at or above the
+    cheapest llama.cpp type, and (for a local model whose architecture the workers registered)
+    an architecture llama.cpp's converter knows."""
+    from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
+
+    opts = req.options
+    if len(opts.formats) > 1:
+        raise ValidationFailedError.field(
+            "options.formats",
+            "gguf is a file of llama.cpp's own types, not of HIGGS codes: ask for it alone "
+            '(options.formats ["gguf"]) and for native / dequantized in another job',
+        )
+    if opts.calibration is not None:
+        raise ValidationFailedError.field(
+            "options.calibration", "the gguf format is data-free: calibration is not available"
+        )
+    kind, value = req.target.kind, req.target.value
+    if kind == "bits" and value < 2:
+        raise ValidationFailedError.field(
+            "target.bits",
+            f"target.bits={value:g} is below the smallest GGUF type (Q2_K, 2 code bits)",
+        )
+    if kind == "avg_bits" and value < min_menu_bits():
+        raise ValidationFailedError.field(
+            "target.avg_bits",
+            f"target.avg_bits={value:g} is below the smallest GGUF type "
+            f"({min_menu_bits():g} bits per weight, Q2_K)",
+        )
+    # A local model's architecture: registered by the workers, or read here when this process
+    # has the models folder. A Hub model's is checked by the worker before any work.
+    arch = None
+    if ref.kind == "local":
+        if ref.path is not None:
+            arch = read_architecture(ref.path)
+        elif registry is not None:
+            arch = registry.architecture(req.model.id)
+    if arch is not None and arch not in GGUF_ARCHITECTURES:
+        raise ValidationFailedError.field(
+            "options.formats",
+            f"llama.cpp's converter does not know the architecture {arch} of "
+            f"{req.model.id!r}: the gguf format is not available for it",
+        )
 
 
 def with_calibration(session: Session, key: AuthKey, req: JobCreate, spec: JobSpec) -> JobSpec:

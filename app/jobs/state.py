@@ -264,6 +264,7 @@ def _layer_row(job_id: str, idx: int, row: LayerRow) -> JobLayer:
         rel_error=row.rel_error,
         alpha=row.alpha,
         bytes=row.bytes,
+        type=row.type,
     )
 
 

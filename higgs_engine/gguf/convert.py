@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from higgs_engine.errors import UnsupportedModelError
+from higgs_engine.errors import HiggsError, UnsupportedModelError
 from higgs_engine.gguf.llama import LlamaError, LlamaUnavailableError
 
 CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
@@ -119,6 +120,30 @@ def convert_checkpoint(
         else [out_file]
     )
     if res.returncode != 0 or not written or not written[0].is_file():
-        tail = "\n".join((res.stderr or res.stdout or "").strip().splitlines()[-6:])
-        raise LlamaError(f"llama.cpp's converter failed on {checkpoint.name}: {tail}")
+        raise _converter_error(checkpoint, res.stderr or res.stdout or "")
     return written[0]
+
+
+def _converter_error(checkpoint: Path, output: str) -> HiggsError:
+    """The converter's own exception line as one message: what it does not support in the
+    checkpoint (NotImplementedError: a tokenizer or layer it does not know) is
+    UnsupportedModelError, anything else LlamaError."""
+    lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+    found = next(
+        (
+            m
+            for ln in reversed(lines)
+            if (m := re.match(r"^([A-Za-z_.]*(?:Error|Exception)): (.+)$", ln))
+        ),
+        None,
+    )
+    if found is None:
+        return LlamaError(
+            f"llama.cpp's converter failed on {checkpoint.name}: {lines[-1] if lines else 'no output'}"
+        )
+    kind, msg = found.group(1), found.group(2)
+    if kind == "NotImplementedError":
+        return UnsupportedModelError(
+            f"llama.cpp's converter does not support {checkpoint.name}: {msg}"
+        )
+    return LlamaError(f"llama.cpp's converter failed on {checkpoint.name}: {kind}: {msg}")

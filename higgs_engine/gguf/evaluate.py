@@ -125,13 +125,12 @@ def evaluate_encoder(
     threads: int = 0,
     progress: ProgressCallback | None = None,
 ) -> GgufEval:
+    with LlamaModel(base, n_ctx=8, embeddings=True, threads=threads) as probe:
+        limit = probe.n_ctx_train
+    # an encoder's learned positions end at n_ctx_train: the window and its framing fit there
+    if limit:
+        context = min(context, limit - 2)
     with LlamaModel(base, n_ctx=context + 2, embeddings=True, threads=threads) as mb:
-        if mb.n_ctx_train and context + 2 > mb.n_ctx_train:
-            raise InvalidConfigError(
-                f"context={context} plus the framing tokens exceeds the {mb.n_ctx_train} "
-                "positions the encoder was built for",
-                field="context",
-            )
         inner = mb.tokenize(text, add_special=False)
         wins = token_windows(inner, context, windows)
         framed = [mb.tokenize_framed(w) for w in wins]

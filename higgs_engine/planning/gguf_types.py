@@ -14,11 +14,14 @@ IQ3_XXS, IQ2_* and IQ1_* are left out: llama.cpp requires an importance matrix f
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from higgs_engine.errors import InvalidConfigError
 
 __all__ = [
+    "GGUF_ARCHITECTURES",
     "GGUF_MENU",
     "GGUF_TYPES",
     "GgufType",
@@ -175,3 +178,16 @@ def type_for_row(t: GgufType, cols: int) -> GgufType:
             return GGUF_TYPES["F16"]
         seen = GGUF_TYPES[nxt]
     return seen
+
+
+def _architectures() -> frozenset[str]:
+    data = json.loads(
+        (Path(__file__).resolve().parents[1] / "data" / "gguf_architectures.json").read_text()
+    )
+    return frozenset(data["architectures"])
+
+
+# The Hugging Face architectures llama.cpp's converter (of the pinned llama-cpp-python) knows,
+# shipped as data so that the API checks a gguf request without llama.cpp; a test compares it
+# with the installed converter.
+GGUF_ARCHITECTURES: frozenset[str] = _architectures()

@@ -113,8 +113,36 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
             "options.rotation_block",
         ),
         (
-            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"formats": ["gguf"]}},
+            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"formats": ["onnx"]}},
             "options.formats.0",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 4},
+                "options": {"formats": ["gguf", "native"]},
+            },
+            "options.formats",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 1.5}, "options": {"formats": ["gguf"]}},
+            "target.bits",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"avg_bits": 2.5},
+                "options": {"formats": ["gguf"]},
+            },
+            "target.avg_bits",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 4},
+                "options": {"formats": ["gguf"], "calibration": "abc"},
+            },
+            "options.calibration",
         ),
         (
             {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"formats": []}},
@@ -371,6 +399,7 @@ def test_progress_layers_report_and_failure_views(
             "alpha": 0.5,
             "rel_error": 0.01,
             "bytes": 20,
+            "type": None,
         }
     ]
     done = client.get(f"/v1/jobs/{jid}", headers=auth).json()
@@ -410,4 +439,4 @@ def test_broker_down_still_accepts_and_leaves_job_for_the_sweep(
 def test_unknown_route_and_method_are_problems(client: TestClient, auth: dict[str, str]) -> None:
     assert_problem(client.get("/nope"), 404)
     assert_problem(client.delete("/v1/jobs", headers=auth), 405)
-    assert_problem(client.get("/v1/jobs/x/artifacts/gguf", headers=auth), 422, "format")
+    assert_problem(client.get("/v1/jobs/x/artifacts/onnx", headers=auth), 422, "format")

@@ -153,7 +153,16 @@ def test_bad_inputs_get_one_line_errors(llama_ckpt: Path, tmp_path: Path) -> Non
         run("quantize", str(llama_ckpt), "--out", str(out), "--p", "3", "--n", "8"), "p=3"
     )
     assert_one_line_error(
-        run("quantize", str(llama_ckpt), "--out", str(out), "--format", "gguf"), "formats"
+        run("quantize", str(llama_ckpt), "--out", str(out), "--format", "onnx"), "formats"
+    )
+    # a byte-level BPE tokenizer llama.cpp's converter has no pre-tokenizer entry for
+    assert_one_line_error(
+        run("quantize", str(llama_ckpt), "--out", str(out), "--format", "gguf"),
+        "does not support",
+        "pre-tokenizer",
+    )
+    assert_one_line_error(
+        run("quantize", str(llama_ckpt), "--out", str(out), "--format", "gguf,native"), "gguf"
     )
     assert_one_line_error(
         run("quantize", str(llama_ckpt), "--out", str(out), "--device", "tpu"), "'tpu'"
