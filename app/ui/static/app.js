@@ -331,6 +331,8 @@ function readForm() {
   const bits = raw === "" ? NaN : Number(raw);
   const body = { model: { id: $("model").value.trim() }, target: { [mode]: Number.isFinite(bits) ? bits : raw } };
   if ($("evaluate").checked) body.options = { evaluate: true };
+  const output = document.querySelector('input[name="output"]:checked').value;
+  if (output === "gguf") body.options = { ...(body.options || {}), formats: ["gguf"] };
   const hook = $("webhook-url").value.trim();
   if (hook) body.webhook_url = hook;
   return { mode, bits, body };
@@ -510,18 +512,20 @@ async function renderResult(job) {
   $("job-summary").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 
   const formats = new Set((job.artifacts || []).map((a) => a.format));
-  for (const fmt of ["native", "dequantized"]) {
+  for (const fmt of ["native", "dequantized", "gguf"]) {
     const a = $(`dl-${fmt}`);
     a.hidden = !formats.has(fmt);
     if (formats.has(fmt)) refreshLink(job.id, fmt);
   }
+  $("run-it").hidden = !formats.has("gguf");
+  if (formats.has("gguf")) renderRunIt(job);
   try {
     const layers = await api("GET", `/v1/jobs/${job.id}/layers`);
     $("layers-chart").replaceChildren(layersChart(layers.data));
     $("layers-table").querySelector("tbody").replaceChildren(
       ...layers.data.map((l) => el("tr", {},
         el("td", { class: "wrap" }, l.name),
-        el("td", {}, l.p === 0 ? "16-bit" : `p=${l.p} n=${l.n}`),
+        el("td", {}, l.type ? l.type : l.p === 0 ? "16-bit" : `p=${l.p} n=${l.n}`),
         el("td", { class: "num" }, fmtNum(l.bits)),
         el("td", { class: "num" }, fmtNum(l.rel_error, 5)))));
   } catch (err) {
@@ -539,6 +543,28 @@ async function renderResult(job) {
       /* the listing is optional here */
     }
   }
+}
+
+// The llama.cpp and Ollama commands for a GGUF job's file, with its real file name.
+async function renderRunIt(job) {
+  let file = "model.gguf";
+  try {
+    const listing = await api("GET", `/v1/jobs/${job.id}/artifacts/gguf`);
+    const names = listing.files.map((f) => f.path).filter((p) => p.endsWith(".gguf")).sort();
+    if (names.length) file = names[0];
+  } catch (_) {
+    /* keep the generic name */
+  }
+  const name = (job.model && job.model.id ? job.model.id : "model").split("/").pop().toLowerCase();
+  $("run-it-commands").textContent = [
+    `tar -xf ${job.id}-gguf.tar`,
+    "# llama.cpp",
+    `llama-cli -m gguf/${file} -p "Hello"`,
+    `llama-server -m gguf/${file} --port 8080`,
+    "# Ollama",
+    `printf 'FROM ./gguf/${file}\\n' > Modelfile`,
+    `ollama create ${name}-higgs -f Modelfile && ollama run ${name}-higgs`,
+  ].join("\n");
 }
 
 // A signed link for a plain <a download>: fetched with the key, valid for a few minutes,
@@ -680,6 +706,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("sign-out").addEventListener("click", () => signOut());
   $("dl-native").addEventListener("click", (ev) => onDownloadClick(ev, "native"));
   $("dl-dequantized").addEventListener("click", (ev) => onDownloadClick(ev, "dequantized"));
+  $("dl-gguf").addEventListener("click", (ev) => onDownloadClick(ev, "gguf"));
   window.addEventListener("hashchange", route);
   route();
 });
