@@ -50,6 +50,7 @@ from app.limits import RateLimiter
 from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.routes import router as ops_router
+from app.params import NO_CONTROL_CHARS, NO_CONTROL_CHARS_MESSAGE
 from app.plans.routes import router as plans_router
 from app.settings import Settings, get_settings
 from app.ui import install as install_ui
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 
 _STATUS_TITLES = {404: "Not found", 405: "Method not allowed", 400: "Bad request"}
 _SOURCES = ("body", "query", "path", "header", "cookie")
+# A refused value is quoted in the message up to this many characters.
+MAX_ECHO_CHARS = 100
 
 
 def problem_response(err: AppError, instance: str | None) -> JSONResponse:
@@ -87,6 +90,8 @@ def _message(err: dict[str, Any]) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return "unknown field"
+    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NO_CONTROL_CHARS:
+        return NO_CONTROL_CHARS_MESSAGE
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     inp = err.get("input")
@@ -95,7 +100,8 @@ def _message(err: dict[str, Any]) -> str:
         and isinstance(inp, str | int | float | bool)
         and not isinstance(inp, bytes)
     ):
-        msg += f" (got {inp!r})"
+        got = repr(inp)
+        msg += f" (got {got if len(got) <= MAX_ECHO_CHARS else got[:MAX_ECHO_CHARS] + '...'})"
     return msg
 
 
