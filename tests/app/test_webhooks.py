@@ -106,23 +106,62 @@ def _succeed(sessions: sessionmaker[Session], job_id: str) -> None:
         ("169.254.169.254", "link-local"),
         ("fe80::1", "link-local"),
         ("::ffff:127.0.0.1", "loopback"),
-        ("0.0.0.0", "private"),
-        ("100.64.0.1", "not globally routable"),
+        ("0.0.0.0", "unspecified"),
+        ("100.64.0.1", "shared"),
+        # Special-purpose IPv4 blocks ipaddress calls global (Python 3.11).
+        ("192.0.0.8", "IETF protocol assignments"),
+        ("192.0.0.170", "IETF protocol assignments"),
+        ("192.88.99.1", "6to4 relay anycast"),
+        ("198.18.0.1", "benchmarking"),
+        ("192.0.2.1", "documentation"),
+        ("224.0.0.1", "multicast"),
+        ("255.255.255.255", "broadcast"),
+        ("240.0.0.1", "reserved"),
+        # IPv6 outside global unicast, or special inside it.
+        ("fec0::1", "site-local"),
+        ("fc00::1", "unique local"),
+        ("::", "unspecified"),
+        ("::7f00:1", "not global unicast"),  # IPv4-compatible ::127.0.0.1
+        ("100::1", "discard-only"),
+        ("5f00::1", "not global unicast"),
+        ("2001:db8::1", "documentation"),
+        ("3fff::1", "documentation"),
+        ("ff02::1", "multicast"),
+        # Transition forms carry an IPv4 address: it is the one checked.
+        ("2002:7f00:1::", "loopback"),  # 6to4 of 127.0.0.1
+        ("2002:a9fe:a9fe::", "link-local"),  # 6to4 of 169.254.169.254
+        ("2002:0a00:0001::1", "private"),  # 6to4 of 10.0.0.1
+        ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "private"),  # Teredo client 10.0.0.1
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "documentation"),  # client 192.0.2.45
+        ("2001:0:5db8:d822:8000:63bf:a2ff:fe98", "not globally routable"),  # Teredo, public
+        ("64:ff9b::7f00:1", "loopback"),  # NAT64 of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", "link-local"),
+        ("64:ff9b::c000:8", "IETF protocol assignments"),  # NAT64 of 192.0.0.8
+        ("64:ff9b:1:7f00:0:100::", "loopback"),  # local-use NAT64 /48 of 127.0.0.1
+        ("64:ff9b:1:5db8:d8:2200::", "local-use NAT64"),  # of a public address
+        ("::ffff:10.0.0.1", "private"),
+        # Public ones.
         ("93.184.216.34", None),
         ("2606:2800:220:1:248:1893:25c8:1946", None),
+        ("2002:5db8:d822::1", None),  # 6to4 of 93.184.216.34
+        ("64:ff9b::5db8:d822", None),  # NAT64 of 93.184.216.34
+        ("::ffff:93.184.216.34", None),
     ],
 )
 def test_refused_addresses(address: str, reason: str | None) -> None:
     got = refused_reason(address)
     assert (got is None) == (reason is None), (address, got)
+    if reason is not None:
+        assert got is not None and reason in got, (address, got)
 
 
 def test_check_webhook_url_resolves_and_checks_every_address() -> None:
     public = lambda host, port: ["93.184.216.34"]  # noqa: E731
     mixed = lambda host, port: ["93.184.216.34", "10.0.0.5"]  # noqa: E731
     assert check_webhook_url("https://hooks.example/x", allow_private=False, resolver=public)
-    with pytest.raises(WebhookUrlError, match="10.0.0.5, a private address"):
+    with pytest.raises(WebhookUrlError, match="'hooks.example' is not allowed") as refused:
         check_webhook_url("https://hooks.example/x", allow_private=False, resolver=mixed)
+    assert "10.0.0.5" not in str(refused.value) and "a private" not in str(refused.value)
     assert check_webhook_url("https://hooks.example/x", allow_private=True, resolver=mixed)
     for bad, why in [
         ("ftp://example.com/x", "http:// or https://"),
@@ -133,8 +172,41 @@ def test_check_webhook_url_resolves_and_checks_every_address() -> None:
     ]:
         with pytest.raises(WebhookUrlError, match=why):
             check_webhook_url(bad, allow_private=True, resolver=public)
-    with pytest.raises(WebhookUrlError, match="loopback"):
+    with pytest.raises(WebhookUrlError, match="'localhost' is not allowed"):
         check_webhook_url("http://localhost:8080/hook", allow_private=False)
+    # An address written in the URL is judged as it is, and the answer may say why.
+    for literal, why in [
+        ("http://[2002:7f00:1::]/x", "loopback"),
+        ("http://[fec0::1]/x", "site-local"),
+        ("http://192.0.0.8/x", "IETF protocol assignments"),
+        ("http://[64:ff9b::a9fe:a9fe]/x", "link-local"),
+    ]:
+        with pytest.raises(WebhookUrlError, match=why):
+            check_webhook_url(literal, allow_private=False, resolver=public)
+
+
+def test_refusals_of_names_do_not_say_what_they_resolve_to() -> None:
+    """A name that resolves to an internal address and one that does not resolve at all get the
+    same answer: the 422 is no way to map the service's internal DNS."""
+
+    def fails(host: str, port: int) -> list[str]:
+        raise OSError("Name or service not known")
+
+    answers = set()
+    for resolver in [
+        lambda host, port: ["10.20.30.40"],
+        lambda host, port: ["2002:a9fe:a9fe::"],
+        lambda host, port: ["fd00::1234"],
+        lambda host, port: [],
+        fails,
+    ]:
+        with pytest.raises(WebhookUrlError) as info:
+            check_webhook_url("https://db.internal/x", allow_private=False, resolver=resolver)
+        answers.add(str(info.value))
+    (answer,) = answers
+    assert "'db.internal' is not allowed" in answer
+    for leak in ("10.20.30.40", "a9fe", "fd00", "a private", "link-local", "resolve"):
+        assert leak not in answer, answer
 
 
 def test_submit_refuses_private_webhook_urls_with_422(
@@ -144,6 +216,11 @@ def test_submit_refuses_private_webhook_urls_with_422(
         "http://127.0.0.1:9/hook",
         "http://169.254.169.254/latest",
         "http://[::1]/x",
+        "http://[2002:7f00:1::]/hook",
+        "http://[2002:a9fe:a9fe::]/latest",
+        "http://[fec0::1]/x",
+        "http://192.0.0.8/x",
+        "http://[64:ff9b::7f00:1]/x",
         "gopher://x",
     ]:
         r = client.post(
