@@ -146,7 +146,13 @@ class Settings(BaseSettings):
     # Webhooks (app.webhooks): a job's terminal-state event is POSTed to its webhook_url.
     # Loopback, link-local and private addresses are refused unless this is set.
     webhook_allow_private: bool = False
+    # The whole of one delivery (connect, TLS, request, answer) in wall time: a receiver that
+    # trickles its answer is cut off at this deadline, not after each slow read.
     webhook_timeout_s: float = Field(default=10.0, gt=0)
+    # Deliveries one worker sends at once, and at most how many of them are one API key's (so
+    # a tenant's slow receivers cannot hold every slot and delay other tenants' events).
+    webhook_concurrency: int = Field(default=8, ge=1)
+    webhook_per_key_concurrency: int = Field(default=2, ge=1)
     # Retries back off from webhook_backoff_s, doubling up to webhook_backoff_max_s, and stop
     # once an event is older than webhook_retry_window_s (or after webhook_max_attempts tries).
     webhook_backoff_s: float = Field(default=5.0, gt=0)

@@ -488,3 +488,225 @@ def test_pinned_delivery_reaches_the_checked_address_with_the_original_host(
         assert dispatch_once(sessions, strict)["delivered"] == 1
     ((headers, _body),) = receiver.got
     assert headers["Host"] == f"hooks.test:{port}"
+
+
+# ---------------------------------------------------------------- bounds
+
+
+class RawReceiver:
+    """A TCP server on loopback that runs `answer(conn, stop)` for each connection in a thread
+    (after reading the request head): receivers that misbehave at the socket level."""
+
+    def __init__(self, answer: Any) -> None:
+        import socket
+
+        self.stop = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
+        self.answer = answer
+        self.connections = 0
+        self.open_now = 0
+        self.most_open = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        with self._lock:
+            self.connections += 1
+            self.open_now += 1
+            self.most_open = max(self.most_open, self.open_now)
+        try:
+            conn.settimeout(5)
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            self.answer(conn, self.stop)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self._lock:
+                self.open_now -= 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+def _trickle_headers(conn: Any, stop: threading.Event) -> None:
+    """A status line, then one header byte every 0.3 s: no read ever waits long."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    for _ in range(200):  # at most a minute
+        if stop.wait(0.3):
+            return
+        conn.sendall(b"a")
+
+
+def test_a_trickling_receiver_is_cut_at_the_total_deadline(
+    hook_settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    import time
+
+    settings = hook_settings.model_copy(update={"webhook_timeout_s": 1.5})
+    rec = RawReceiver(_trickle_headers)
+    try:
+        with sessions() as s:
+            _, a = make_key(s, "alice")
+        with TestClient(create_app(settings)) as c:
+            job = _submit(c, a, webhook_url=rec.url)
+            _succeed(sessions, job["id"])
+            t0 = time.monotonic()
+            out = dispatch_once(sessions, settings)
+            took = time.monotonic() - t0
+            (row,) = c.get(
+                f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+            ).json()["data"]
+    finally:
+        rec.close()
+    assert took < 6, f"the delivery took {took:.1f} s; its deadline is 1.5 s"
+    assert out["pending"] == 1 and rec.connections == 1, out
+    assert row["state"] == "pending" and "Timeout" in row["last_error"], row
+    assert 1.4 <= row["attempt_log"][0]["duration_ms"] / 1e3 < 6, row
+
+
+def _endless_answer(sent: list[int]) -> Any:
+    def answer(conn: Any, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n")
+        for _ in range(2000):  # 1 KiB every 20 ms, at most 40 s
+            if stop.wait(0.02):
+                return
+            conn.sendall(b"x" * 1024)  # raises once the client has hung up
+            sent[0] += 1024
+
+    return answer
+
+
+def test_only_the_start_of_a_long_answer_is_read(
+    hook_settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    """A 2xx with an endless body is a delivery: a few KiB of the answer are read, then the
+    connection is dropped (the body is never read whole)."""
+    import time
+
+    sent = [0]
+    rec = RawReceiver(_endless_answer(sent))
+    settings = hook_settings.model_copy(update={"webhook_timeout_s": 20})
+    try:
+        with sessions() as s:
+            _, a = make_key(s, "alice")
+        with TestClient(create_app(settings)) as c:
+            job = _submit(c, a, webhook_url=rec.url)
+            _succeed(sessions, job["id"])
+            t0 = time.monotonic()
+            out = dispatch_once(sessions, settings)
+            took = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while rec.open_now and time.monotonic() < deadline:  # the receiver sees the hang-up
+            time.sleep(0.05)
+    finally:
+        rec.close()
+    assert out["delivered"] == 1, out
+    assert took < 8, f"reading the answer took {took:.1f} s"
+    assert rec.open_now == 0 and sent[0] < 1_000_000, sent
+
+
+def test_a_slow_tenant_does_not_delay_another_tenants_delivery(
+    hook_settings: Settings, sessions: sessionmaker[Session], receiver: Receiver
+) -> None:
+    """Alice's receiver holds every request until its deadline; her deliveries take at most
+    HIGGS_WEBHOOK_PER_KEY_CONCURRENCY slots, and bob's event, due while hers hang, is delivered
+    at once by the next tick instead of after her deadline."""
+    import time
+
+    from app.webhooks.service import Dispatcher
+
+    settings = hook_settings.model_copy(
+        update={"webhook_timeout_s": 8, "webhook_concurrency": 3, "webhook_per_key_concurrency": 2}
+    )
+
+    def hang(conn: Any, stop: threading.Event) -> None:
+        stop.wait(15)
+
+    slow = RawReceiver(hang)
+    got_at: list[float] = []
+    dispatcher = Dispatcher(sessions, settings)
+    try:
+        with sessions() as s:
+            _, a = make_key(s, "alice")
+            _, b = make_key(s, "bob")
+        with TestClient(create_app(settings)) as c:
+            alice_jobs = [_submit(c, a, webhook_url=slow.url)["id"] for _ in range(4)]
+            bob_job = _submit(c, b, webhook_url=receiver.url)["id"]
+            for job_id in alice_jobs:
+                _succeed(sessions, job_id)
+            assert dispatcher.tick() == {"made": 4, "sent": 2}
+            deadline = time.monotonic() + 5
+            while slow.open_now < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert dispatcher.in_flight() == {dispatcher_key(sessions, alice_jobs[0]): 2}
+
+            _succeed(sessions, bob_job)
+            t0 = time.monotonic()
+            assert dispatcher.tick() == {"made": 1, "sent": 1}
+            while not receiver.got and time.monotonic() < t0 + 10:
+                time.sleep(0.01)
+            got_at.append(time.monotonic() - t0)
+            assert dispatcher.tick()["sent"] == 0  # alice's other two wait for her slots
+    finally:
+        slow.close()  # alice's receiver lets go: her tries end now
+        dispatcher.wait_idle(20)
+        dispatcher.close(wait=True)
+    assert receiver.got and got_at[0] < 4, f"bob's event arrived after {got_at[0]:.1f} s"
+    assert slow.most_open == 2, slow.most_open
+    assert dispatcher.recorded["delivered"] == 1 and dispatcher.recorded["pending"] == 2
+
+
+def dispatcher_key(sessions: sessionmaker[Session], job_id: str) -> str:
+    from app.db.models import Job
+
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job.api_key_id
+
+
+def test_redirects_are_not_followed(
+    hook_settings: Settings, sessions: sessionmaker[Session], receiver: Receiver
+) -> None:
+    def redirect(conn: Any, stop: threading.Event) -> None:
+        conn.sendall(
+            f"HTTP/1.1 307 Temporary Redirect\r\nLocation: {receiver.url}\r\n"
+            "Content-Length: 0\r\n\r\n".encode()
+        )
+
+    rec = RawReceiver(redirect)
+    try:
+        with sessions() as s:
+            _, a = make_key(s, "alice")
+        with TestClient(create_app(hook_settings)) as c:
+            job = _submit(c, a, webhook_url=rec.url)
+            _succeed(sessions, job["id"])
+            assert dispatch_once(sessions, hook_settings)["pending"] == 1
+            (row,) = c.get(
+                f"/v1/jobs/{job['id']}/webhooks", headers={"Authorization": f"Bearer {a}"}
+            ).json()["data"]
+    finally:
+        rec.close()
+    assert row["last_status_code"] == 307 and row["last_error"] == "HTTP 307", row
+    assert receiver.got == []  # the Location was never asked
