@@ -42,9 +42,11 @@ class Settings(BaseSettings):
     # Connect and read timeout of one store request (two tries): what an unreachable store
     # costs a download, /readyz or a job before it reads as storage_unavailable.
     s3_timeout_s: float = Field(default=20.0, gt=0)
-    # Downloads of S3 artifacts answer 307 to a presigned store URL instead of streaming.
+    # Downloads of S3 artifacts answer 307 to a presigned store URL instead of streaming. The
+    # store checks only the URL's own signature and expiry: a presigned URL stays valid for its
+    # whole lifetime even after the API key that obtained it is revoked, so it is kept short.
     artifacts_redirect: bool = False
-    artifacts_redirect_ttl_s: int = Field(default=900, ge=1, le=7 * 24 * 3600)
+    artifacts_redirect_ttl_s: int = Field(default=300, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
     hf_token: str | None = None
