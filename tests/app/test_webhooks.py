@@ -277,6 +277,18 @@ def test_sign_and_verify() -> None:
     assert not verify("whsec_x", body, "garbage", now=1_700_000_000)
 
 
+def test_the_signature_covers_the_timestamp_and_the_body_id_not_the_headers() -> None:
+    """What receivers de-duplicate by (docs/api.md): the signed body's id. The Higgs-Event-Id
+    header is an unsigned copy; changing the body's id or the timestamp breaks the signature."""
+    body = json.dumps({"id": "evt-1", "type": "job.succeeded"}, separators=(",", ":")).encode()
+    header = sign("whsec_x", body, timestamp=1_700_000_000)
+    assert verify("whsec_x", body, header, now=1_700_000_001)
+    forged = body.replace(b"evt-1", b"evt-2")
+    assert not verify("whsec_x", forged, header, now=1_700_000_001)
+    shifted = header.replace("t=1700000000", "t=1700000300")
+    assert not verify("whsec_x", body, shifted, now=1_700_000_301)
+
+
 # ---------------------------------------------------------------- delivery
 
 
