@@ -49,6 +49,8 @@ from app.keys.service import KeyCache
 from app.limits import RateLimiter
 from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
+from app.ops.readiness import Readiness
+from app.ops.routes import readiness_checks
 from app.ops.routes import router as ops_router
 from app.params import NO_CONTROL_CHARS, NO_CONTROL_CHARS_MESSAGE
 from app.plans.routes import router as plans_router
@@ -333,7 +335,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "pool_timeout": settings.db_pool_timeout_s,
             "pool_pre_ping": False,  # ping_when_idle below
         }
-    engine = create_db_engine(settings.database_url, **pool)
+    engine = create_db_engine(
+        settings.database_url,
+        connect_timeout_s=settings.db_connect_timeout_s,
+        statement_timeout_s=settings.db_statement_timeout_s,
+        **pool,
+    )
     if pool:
         ping_when_idle(engine)
     sessions = session_factory(engine)
@@ -358,6 +365,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.state.reads = Reads(engine)
     app.state.key_cache = KeyCache(sessions, settings.auth_cache_ttl_s)
+    app.state.readiness = Readiness(
+        readiness_checks(sessions, settings),
+        timeout_s=settings.readyz_timeout_s,
+        cache_s=settings.readyz_cache_s,
+    )
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry

@@ -80,6 +80,17 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=20, ge=1)
     db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=10.0, gt=0)
+    # PostgreSQL: how long opening a connection may take (libpq connect_timeout, whole seconds,
+    # at least 2), and the API's statement_timeout (the server cancels a statement running
+    # longer; 0 = none). A database that does not answer then costs a request a 503, not a
+    # thread forever.
+    db_connect_timeout_s: int = Field(default=5, ge=2)
+    db_statement_timeout_s: float = Field(default=30.0, ge=0)
+    # /readyz: its checks run in background threads (one at a time per dependency) and a result
+    # is reused for readyz_cache_s; a request waits at most readyz_timeout_s for them, and a
+    # dependency that has not answered by then is reported unavailable (503 + Retry-After).
+    readyz_timeout_s: float = Field(default=2.0, gt=0)
+    readyz_cache_s: float = Field(default=1.0, ge=0)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True
