@@ -7,6 +7,7 @@ to the log only."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger("app.webhooks")
 
 MAX_URL_CHARS = 2048
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -157,6 +159,10 @@ def checked_addresses(
     pinning); WebhookUrlError when the URL or any address is refused."""
     if len(url) > MAX_URL_CHARS:
         raise WebhookUrlError(f"webhook_url is {len(url)} characters; at most {MAX_URL_CHARS}")
+    if _CONTROL.search(url):
+        raise WebhookUrlError(
+            "webhook_url must not contain control characters (U+0000-U+001F, U+007F)"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port

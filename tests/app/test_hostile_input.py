@@ -288,3 +288,15 @@ def test_deeply_nested_token_payloads_are_not_link_tokens() -> None:
 def test_oversized_link_tokens_are_refused(client: TestClient) -> None:
     r = client.get("/v1/jobs/x/artifacts/native/archive", params={"token": _token(b"[" * 20000)})
     assert_problem(r, 422, "token")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://hooks.example/\x00", "http://hooks.exa\x00mple/", "http://hooks.example/a\nb"]
+)
+def test_control_characters_in_a_webhook_url_are_422(
+    client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session], url: str
+) -> None:
+    body = {"model": {"id": "tiny"}, "target": {"bits": 4}, "webhook_url": url}
+    problem = assert_problem(client.post("/v1/jobs", json=body, headers=auth), 422, "webhook_url")
+    assert "control characters" in problem["detail"]
+    no_jobs(sessions)
