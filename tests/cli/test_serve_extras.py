@@ -34,7 +34,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_without(
+def higgs_without(
     blocked: set[str], tmp_path: Path, *args: str
 ) -> subprocess.CompletedProcess[str]:
     site = tmp_path / "site"
@@ -43,9 +43,8 @@ def serve_without(
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HIGGS_")}
     env = {**clean, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     cmd = [sys.executable, "-c", "import sys; from higgs_cli.main import main; sys.exit(main())"]
-    port = str(_free_port())
     proc = subprocess.Popen(
-        [*cmd, "serve", "--data-dir", str(tmp_path / "data"), "--port", port, *args],
+        [*cmd, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -62,15 +61,20 @@ def serve_without(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        pytest.fail(f"higgs serve kept running instead of refusing to start: {stderr[-2000:]}")
+        pytest.fail(f"higgs kept running instead of refusing to start: {stderr[-2000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _serve(tmp_path: Path) -> list[str]:
+    data = str(tmp_path / "data")
+    return ["serve", "--data-dir", data, "--port", str(_free_port()), "--grace", "1"]
 
 
 @pytest.mark.parametrize("args", [(), ("--no-api",)])
 def test_serve_without_the_worker_extra_names_it_in_one_line(
     tmp_path: Path, args: tuple[str, ...]
 ) -> None:
-    out = serve_without({"torch", "transformers"}, tmp_path, *args, "--grace", "1")
+    out = higgs_without({"torch", "transformers"}, tmp_path, *_serve(tmp_path), *args)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr, out.stderr
     (line,) = out.stderr.strip().splitlines()
@@ -79,7 +83,16 @@ def test_serve_without_the_worker_extra_names_it_in_one_line(
 
 
 def test_serve_without_the_api_extra_names_it_in_one_line(tmp_path: Path) -> None:
-    out = serve_without({"fastapi", "uvicorn"}, tmp_path, "--no-worker")
+    out = higgs_without({"fastapi", "uvicorn"}, tmp_path, *_serve(tmp_path), "--no-worker")
     assert out.returncode == 1, out.stdout + out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert "higgs-service[api]" in line and "fastapi" in line, line
+
+
+def test_other_verbs_name_the_missing_extra_too(tmp_path: Path) -> None:
+    """`higgs keys list` needs the database libraries of the api extra."""
+    out = higgs_without({"sqlalchemy"}, tmp_path, "keys", "list", "--data-dir", str(tmp_path))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "sqlalchemy" in line and "pip install 'higgs-service[api]'" in line, line
