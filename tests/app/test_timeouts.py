@@ -182,3 +182,43 @@ def test_the_apis_statements_have_a_statement_timeout(
         assert time.monotonic() - t0 < 4
     finally:
         app.state.engine.dispose()
+
+
+def _postmaster_pid(url: str) -> int:
+    from app.db.session import create_db_engine
+
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            data_dir = conn.execute(text("SHOW data_directory")).scalar_one()
+    finally:
+        engine.dispose()
+    return int((Path(data_dir) / "postmaster.pid").read_text().split()[0])
+
+
+def test_a_stopped_postgres_server_costs_a_request_seconds(
+    postgres_session_db: str, tmp_path: Path
+) -> None:
+    """The test PostgreSQL's postmaster stopped with SIGSTOP: it still accepts connections (the
+    kernel does) but never starts a session. A request that needs a new connection is a 503
+    within the connect timeout, /readyz within its own; both work again after SIGCONT."""
+    pid = _postmaster_pid(postgres_session_db)
+    settings = Settings(
+        data_dir=tmp_path / "data", database_url=postgres_session_db, db_connect_timeout_s=2
+    )
+    with serve_app(settings) as base:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r, took = _timed_get(f"{base}/v1/jobs", headers={"Authorization": "Bearer hk_x"})
+            body = assert_problem(r, 503)
+            assert body["code"] == "database_unavailable" and r.headers["retry-after"] == "5"
+            assert took < 8, f"the request took {took:.1f} s"
+            r, took = _timed_get(f"{base}/readyz")
+            assert assert_problem(r, 503)["checks"]["database"] == "unavailable"
+            assert took < settings.readyz_timeout_s + 4, f"/readyz took {took:.1f} s"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/readyz", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "/readyz did not turn ready after SIGCONT"
+            time.sleep(0.2)
