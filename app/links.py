@@ -21,8 +21,11 @@ from sqlalchemy.orm import Session
 
 from app.db.models import ApiKey
 from app.errors import UnauthorizedError
+from app.params import has_control_char
 
 _DOMAIN = b"higgs-link-v1"
+# make_token's tokens are about 200 characters; anything much longer is not one.
+MAX_TOKEN_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,18 @@ def make_token(
     return f"{_b64(payload)}.{_b64(_mac(key, server_secret, payload))}", expires
 
 
+def _claims(claims: object) -> LinkClaims:
+    """The claims of a decoded payload exactly as make_token writes them; ValueError else."""
+    if not isinstance(claims, dict):
+        raise ValueError("the payload is not an object")
+    k, j, f, e = claims["k"], claims["j"], claims["f"], claims["e"]
+    if not all(isinstance(v, str) and v and not has_control_char(v) for v in (k, j, f)):
+        raise ValueError("k, j and f must be ids")
+    if not isinstance(e, int) or isinstance(e, bool):
+        raise ValueError("e must be an integer")
+    return LinkClaims(k, j, f, e)
+
+
 def check_token(
     session: Session, token: str, job_id: str, fmt: str, server_secret: str | None
 ) -> ApiKey:
@@ -70,9 +85,8 @@ def check_token(
         payload_b64, mac_b64 = token.split(".", 1)
         payload = _unb64(payload_b64)
         mac = _unb64(mac_b64)
-        claims = json.loads(payload)
-        c = LinkClaims(str(claims["k"]), str(claims["j"]), str(claims["f"]), int(claims["e"]))
-    except (ValueError, KeyError, TypeError, binascii.Error) as e:
+        c = _claims(json.loads(payload))
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError) as e:
         raise UnauthorizedError("token is not a link token of this service") from e
     key = session.get(ApiKey, c.key_id)
     if key is None or not hmac.compare_digest(mac, _mac(key, server_secret, payload)):

@@ -49,7 +49,10 @@ from app.keys.service import KeyCache
 from app.limits import RateLimiter
 from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
+from app.ops.readiness import Readiness
+from app.ops.routes import readiness_checks
 from app.ops.routes import router as ops_router
+from app.params import NO_CONTROL_CHARS, NO_CONTROL_CHARS_MESSAGE
 from app.plans.routes import router as plans_router
 from app.settings import Settings, get_settings
 from app.ui import install as install_ui
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 _STATUS_TITLES = {404: "Not found", 405: "Method not allowed", 400: "Bad request"}
 _SOURCES = ("body", "query", "path", "header", "cookie")
+# A refused value is quoted in the message up to this many characters.
+MAX_ECHO_CHARS = 100
 
 
 def problem_response(err: AppError, instance: str | None) -> JSONResponse:
@@ -87,6 +92,8 @@ def _message(err: dict[str, Any]) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return "unknown field"
+    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NO_CONTROL_CHARS:
+        return NO_CONTROL_CHARS_MESSAGE
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     inp = err.get("input")
@@ -95,7 +102,8 @@ def _message(err: dict[str, Any]) -> str:
         and isinstance(inp, str | int | float | bool)
         and not isinstance(inp, bytes)
     ):
-        msg += f" (got {inp!r})"
+        got = repr(inp)
+        msg += f" (got {got if len(got) <= MAX_ECHO_CHARS else got[:MAX_ECHO_CHARS] + '...'})"
     return msg
 
 
@@ -327,7 +335,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "pool_timeout": settings.db_pool_timeout_s,
             "pool_pre_ping": False,  # ping_when_idle below
         }
-    engine = create_db_engine(settings.database_url, **pool)
+    engine = create_db_engine(
+        settings.database_url,
+        connect_timeout_s=settings.db_connect_timeout_s,
+        statement_timeout_s=settings.db_statement_timeout_s,
+        **pool,
+    )
     if pool:
         ping_when_idle(engine)
     sessions = session_factory(engine)
@@ -352,6 +365,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.state.reads = Reads(engine)
     app.state.key_cache = KeyCache(sessions, settings.auth_cache_ttl_s)
+    app.state.readiness = Readiness(
+        readiness_checks(sessions, settings),
+        timeout_s=settings.readyz_timeout_s,
+        cache_s=settings.readyz_cache_s,
+    )
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry

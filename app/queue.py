@@ -21,6 +21,17 @@ from app.settings import TASK_NAME, Settings
 log = logging.getLogger(__name__)
 
 
+def client_transport_options(settings: Settings) -> dict[str, Any]:
+    """The broker transport options of the API's connections: for Redis, socket timeouts, so a
+    broker that accepts connections but does not answer (frozen, overloaded) fails a send or a
+    check after settings.broker_timeout_s instead of holding the request forever."""
+    opts = dict(settings.broker_transport_options())
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        opts.setdefault("socket_timeout", settings.broker_timeout_s)
+        opts.setdefault("socket_connect_timeout", settings.broker_timeout_s)
+    return opts
+
+
 @lru_cache(maxsize=8)
 def _client(broker_url: str, options_key: tuple[tuple[str, Any], ...], timeout: float) -> Celery:
     app = Celery("higgs-api", broker=broker_url, set_as_current=False)
@@ -35,7 +46,7 @@ def _client(broker_url: str, options_key: tuple[tuple[str, Any], ...], timeout: 
 
 
 def celery_client(settings: Settings) -> Celery:
-    opts = tuple(sorted(settings.broker_transport_options().items()))
+    opts = tuple(sorted(client_transport_options(settings).items()))
     return _client(settings.broker_url, opts, settings.broker_timeout_s)
 
 
@@ -62,7 +73,7 @@ def _connected(settings: Settings) -> Iterator[Connection]:
     """A kombu connection to the broker, established (one try, settings.broker_timeout_s)."""
     with Connection(
         settings.broker_url,
-        transport_options=settings.broker_transport_options(),
+        transport_options=client_transport_options(settings),
         connect_timeout=settings.broker_timeout_s,
     ) as conn:
         conn.ensure_connection(

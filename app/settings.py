@@ -42,9 +42,11 @@ class Settings(BaseSettings):
     # Connect and read timeout of one store request (two tries): what an unreachable store
     # costs a download, /readyz or a job before it reads as storage_unavailable.
     s3_timeout_s: float = Field(default=20.0, gt=0)
-    # Downloads of S3 artifacts answer 307 to a presigned store URL instead of streaming.
+    # Downloads of S3 artifacts answer 307 to a presigned store URL instead of streaming. The
+    # store checks only the URL's own signature and expiry: a presigned URL stays valid for its
+    # whole lifetime even after the API key that obtained it is revoked, so it is kept short.
     artifacts_redirect: bool = False
-    artifacts_redirect_ttl_s: int = Field(default=900, ge=1, le=7 * 24 * 3600)
+    artifacts_redirect_ttl_s: int = Field(default=300, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
     hf_token: str | None = None
@@ -78,6 +80,17 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=20, ge=1)
     db_max_overflow: int = Field(default=10, ge=0)
     db_pool_timeout_s: float = Field(default=10.0, gt=0)
+    # PostgreSQL: how long opening a connection may take (libpq connect_timeout, whole seconds,
+    # at least 2), and the API's statement_timeout (the server cancels a statement running
+    # longer; 0 = none). A database that does not answer then costs a request a 503, not a
+    # thread forever.
+    db_connect_timeout_s: int = Field(default=5, ge=2)
+    db_statement_timeout_s: float = Field(default=30.0, ge=0)
+    # /readyz: its checks run in background threads (one at a time per dependency) and a result
+    # is reused for readyz_cache_s; a request waits at most readyz_timeout_s for them, and a
+    # dependency that has not answered by then is reported unavailable (503 + Retry-After).
+    readyz_timeout_s: float = Field(default=2.0, gt=0)
+    readyz_cache_s: float = Field(default=1.0, ge=0)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True
@@ -146,7 +159,13 @@ class Settings(BaseSettings):
     # Webhooks (app.webhooks): a job's terminal-state event is POSTed to its webhook_url.
     # Loopback, link-local and private addresses are refused unless this is set.
     webhook_allow_private: bool = False
+    # The whole of one delivery (connect, TLS, request, answer) in wall time: a receiver that
+    # trickles its answer is cut off at this deadline, not after each slow read.
     webhook_timeout_s: float = Field(default=10.0, gt=0)
+    # Deliveries one worker sends at once, and at most how many of them are one API key's (so
+    # a tenant's slow receivers cannot hold every slot and delay other tenants' events).
+    webhook_concurrency: int = Field(default=8, ge=1)
+    webhook_per_key_concurrency: int = Field(default=2, ge=1)
     # Retries back off from webhook_backoff_s, doubling up to webhook_backoff_max_s, and stop
     # once an event is older than webhook_retry_window_s (or after webhook_max_attempts tries).
     webhook_backoff_s: float = Field(default=5.0, gt=0)

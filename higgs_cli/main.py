@@ -40,6 +40,33 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+# Which extra of pyproject.toml installs a top-level package (for "install the extra" errors).
+EXTRA_OF = {
+    **dict.fromkeys(
+        ("fastapi", "starlette", "uvicorn", "pydantic_settings", "sqlalchemy", "alembic",
+         "psycopg", "celery", "kombu", "redis", "prometheus_client", "boto3", "botocore"),
+        "api",
+    ),
+    **dict.fromkeys(
+        ("torch", "transformers", "safetensors", "huggingface_hub", "gguf", "sentencepiece"),
+        "engine",
+    ),
+}  # fmt: skip
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """For a ModuleNotFoundError of a package an extra installs: one line naming that extra."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    extra = EXTRA_OF.get(exc.name.split(".")[0])
+    if extra is None:
+        return None
+    return (
+        f"this needs the '{extra}' extra, which is not installed (no {exc.name.split('.')[0]}): "
+        f"pip install 'higgs-service[{extra}]'"
+    )
+
+
 class CliError(Exception):
     """An expected failure: printed as one line, exit with `exit_code`."""
 
@@ -95,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ModuleNotFoundError as exc:
             if debug:
                 raise
-            return _fail(f"the {verb!r} command is not available: {exc}", 1)
+            return _fail(missing_extra(exc) or f"the {verb!r} command is not available: {exc}", 1)
         args = parser.parse_args(args_list)
         handler = getattr(args, "handler", None)
         if handler is None:
@@ -124,6 +151,9 @@ def _classify(exc: BaseException) -> tuple[str, int]:
         HiggsError = ()  # type: ignore[assignment,misc]
     if isinstance(exc, HiggsError):
         return str(exc), 2
+    extra = missing_extra(exc)
+    if extra is not None:
+        return extra, 1
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         return f"{exc.strerror or exc}{where}", 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -178,11 +179,45 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     return settings, env
 
 
+# What each part of `higgs serve` imports, by the extra that installs it (pyproject.toml). The
+# worker runs the engine too; the API never does.
+API_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic_settings", "celery")
+ENGINE_MODULES = ("torch", "transformers", "safetensors", "huggingface_hub")
+
+
+def _installed(module: str) -> bool:
+    """Whether a top-level package can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_installed(api: bool, worker: bool) -> None:
+    """CliError naming the extra to install when a part to run lacks its packages (rather than a
+    ModuleNotFoundError traceback from this process or from a child)."""
+    needs: list[tuple[str, str, tuple[str, ...]]] = []
+    if worker:
+        needs.append(("worker", "the worker", API_MODULES + ENGINE_MODULES))
+    if api:
+        needs.append(("api", "the API", API_MODULES))
+    for extra, part, modules in needs:
+        missing = [m for m in modules if not _installed(m)]
+        if missing:
+            hint = " (or run the API alone with --no-worker)" if part == "the worker" else ""
+            raise CliError(
+                f"{part} needs the '{extra}' extra, which is not installed (no "
+                f"{', '.join(missing)}): pip install 'higgs-service[{extra}]'{hint}",
+                1,
+            )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_api and args.no_worker:
         raise CliError("--no-api and --no-worker together leave nothing to run", 2)
     if not 0 < args.port < 65536:
         raise CliError(f"--port {args.port} must be in 1..65535", 2)
+    check_installed(api=not args.no_api, worker=not args.no_worker)
     settings, env = _prepare(args)
     children: list[Child] = []
     stopping = False

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def load_config(path: Path) -> PretrainedConfig:
     """The checkpoint's transformers config, without any quantization_config it may carry."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING
 
     cfg_file = Path(path) / "config.json"
     try:
@@ -43,12 +43,17 @@ def load_config(path: Path) -> PretrainedConfig:
     raw.pop("quantization_config", None)
     model_type = raw.pop("model_type")
     try:
-        return AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError, TypeError) as exc:
-        # transformers appends every model type it knows (thousands of characters): not those.
-        why = str(exc).split(" Should contain one of")[0].strip()
+        config_class = CONFIG_MAPPING[model_type]
+    except (KeyError, TypeError) as exc:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by transformers: {why}"
+            f"model_type {model_type!r} is not supported by transformers"
+        ) from exc
+    try:
+        return config_class(**raw)
+    except Exception as exc:  # the config class's own validation raises many types
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise UnsupportedModelError(
+            f"{str(cfg_file)!r} is not a valid {model_type} config: {why}"
         ) from exc
 
 

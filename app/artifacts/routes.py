@@ -37,8 +37,9 @@ from app.deps import CurrentKey, SessionsDep, SettingsDep, current_key
 from app.jobs.schemas import ArtifactOut, Format
 from app.keys.service import AuthKey
 from app.limits import RateLimiter
-from app.links import check_token, make_token
+from app.links import MAX_TOKEN_CHARS, check_token, make_token
 from app.openapi import AUTHENTICATED, problems
+from app.params import FilePath, JobId
 
 OCTETS = "application/octet-stream"
 BINARY = {"type": "string", "format": "binary"}
@@ -52,7 +53,7 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/artifacts", tags=["artifacts"])
     summary="Files of an artifact",
 )
 def get_artifact(
-    job_id: str, format: Format, sessions: SessionsDep, key: CurrentKey
+    job_id: JobId, format: Format, sessions: SessionsDep, key: CurrentKey
 ) -> ArtifactOut:
     with sessions() as session:
         art = service.get_artifact(session, key, job_id, format)
@@ -77,9 +78,9 @@ def get_artifact(
     summary="One file, streamed from the store; Range (206), ETag and sha256 digest headers",
 )
 def download_file(
-    job_id: str,
+    job_id: JobId,
     format: Format,
-    path: str,
+    path: FilePath,
     request: Request,
     sessions: SessionsDep,
     settings: SettingsDep,
@@ -141,7 +142,7 @@ class LinkOut(BaseModel):
     summary="A short-lived signed URL of the archive, usable without an Authorization header",
 )
 def archive_link(
-    job_id: str, format: Format, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
+    job_id: JobId, format: Format, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> LinkOut:
     with sessions() as session:
         service.get_artifact(session, key, job_id, format)  # 404 unless it exists now
@@ -158,13 +159,17 @@ _bearer = HTTPBearer(auto_error=False)
 
 async def _archive_key(
     request: Request,
-    job_id: str,
+    job_id: JobId,
     format: Format,
     sessions: SessionsDep,
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     token: Annotated[
-        str | None, Query(description="a signed link token from POST .../{format}/link")
+        str | None,
+        Query(
+            description="a signed link token from POST .../{format}/link",
+            max_length=MAX_TOKEN_CHARS,
+        ),
     ] = None,
 ) -> AuthKey:
     """The API key (Authorization header, as everywhere) or a signed link's key (?token=)."""
@@ -194,7 +199,7 @@ async def _archive_key(
     summary="The whole artifact as one streamed tar (API key, or ?token= of a signed link)",
 )
 def download_archive(
-    job_id: str,
+    job_id: JobId,
     format: Format,
     request: Request,
     sessions: SessionsDep,

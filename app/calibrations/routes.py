@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from app.calibrations import service
 from app.deps import CurrentKey, SessionsDep, SettingsDep
 from app.errors import PROBLEM_JSON
+from app.params import CalibrationId
 
 router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"])
 
@@ -58,6 +59,8 @@ def list_uploads(sessions: SessionsDep, key: CurrentKey) -> dict[str, Any]:
 
 
 @router.get("/{calibration_id}", responses={401: PROBLEM, 404: PROBLEM}, summary="One upload")
-def get_upload(calibration_id: str, sessions: SessionsDep, key: CurrentKey) -> dict[str, Any]:
+def get_upload(
+    calibration_id: CalibrationId, sessions: SessionsDep, key: CurrentKey
+) -> dict[str, Any]:
     with sessions() as session:
         return service.view(service.get(session, key, calibration_id))

@@ -15,6 +15,8 @@ from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # ping_when_idle: a pooled connection unused this long is checked before it is handed out.
 PING_AFTER_IDLE_S = 1.0
+# libpq's connect_timeout for engines made without one (workers, migrations, the CLI).
+PG_CONNECT_TIMEOUT_S = 10
 
 
 def normalise_url(url: str) -> str:
@@ -36,8 +38,16 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def create_db_engine(url: str, **kwargs: Any) -> Engine:
-    """An Engine for `url`; SQLite files get WAL + busy_timeout + foreign keys."""
+def create_db_engine(
+    url: str,
+    *,
+    connect_timeout_s: int = PG_CONNECT_TIMEOUT_S,
+    statement_timeout_s: float = 0.0,
+    **kwargs: Any,
+) -> Engine:
+    """An Engine for `url`; SQLite files get WAL + busy_timeout + foreign keys. PostgreSQL
+    connections get libpq's connect_timeout, TCP keepalives (a peer that vanished is noticed
+    within a minute) and, when statement_timeout_s > 0, a server-side statement_timeout."""
     url = normalise_url(url)
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
@@ -45,6 +55,16 @@ def create_db_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, connect_args=connect_args, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine
+    pg_args: dict[str, Any] = {
+        "connect_timeout": max(2, int(connect_timeout_s)),
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+    }
+    if statement_timeout_s > 0:
+        pg_args["options"] = f"-c statement_timeout={int(statement_timeout_s * 1000)}"
+    kwargs["connect_args"] = {**pg_args, **kwargs.get("connect_args", {})}
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_timeout", 10.0)
     kwargs.setdefault("pool_size", 10)

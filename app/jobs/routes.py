@@ -23,6 +23,7 @@ from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
 from app.keys.service import KeyCache
 from app.openapi import AUTHENTICATED, problems
+from app.params import JobId
 from app.queue import enqueue_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -128,7 +129,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ONE_JOB, summary="One job")
-def get_job(job_id: str, reads: ReadsDep, key: CurrentKey) -> Response:
+def get_job(job_id: JobId, reads: ReadsDep, key: CurrentKey) -> Response:
     return json_model(service.job_view(reads.run(lambda conn: service.read_job(conn, key, job_id))))
 
 
@@ -138,7 +139,7 @@ def get_job(job_id: str, reads: ReadsDep, key: CurrentKey) -> Response:
     responses=problems(*AUTHENTICATED, 404, 409),
     summary="Cancel a job (409 once it has finished)",
 )
-def cancel_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
+def cancel_job(job_id: JobId, sessions: SessionsDep, key: CurrentKey) -> JobOut:
     with sessions() as session:
         job = service.cancel_job(session, key, job_id)
     return service.job_view(job)
@@ -147,7 +148,7 @@ def cancel_job(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JobOut:
 @router.get(
     "/{job_id}/layers", response_model=LayersOut, responses=ONE_JOB, summary="Per-layer results"
 )
-def get_job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> LayersOut:
+def get_job_layers(job_id: JobId, sessions: SessionsDep, key: CurrentKey) -> LayersOut:
     with sessions() as session:
         rows = service.job_layers(session, key, job_id)
     return LayersOut(
@@ -180,7 +181,7 @@ def get_job_layers(job_id: str, sessions: SessionsDep, key: CurrentKey) -> Layer
     },
     summary="The full report.json of a succeeded job (409 before it succeeded)",
 )
-def get_job_report(job_id: str, sessions: SessionsDep, key: CurrentKey) -> JSONResponse:
+def get_job_report(job_id: JobId, sessions: SessionsDep, key: CurrentKey) -> JSONResponse:
     with sessions() as session:
         report = service.job_report(session, key, job_id)
     return JSONResponse(report)
@@ -229,7 +230,7 @@ def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
     summary="Server-Sent Events: `state` on status changes, `progress` on stage/progress changes",
 )
 def stream_job_events(
-    job_id: str, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
+    job_id: JobId, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
 ) -> Response:
     with sessions() as session:
         service.get_job(session, key, job_id)  # 404 before the stream starts

@@ -10,7 +10,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -31,6 +31,7 @@ from app.jobs.local_models import read_architecture
 from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
 from app.jobs.schemas import JobCreate, JobOut, Options
 from app.keys.service import AuthKey
+from app.params import has_control_char
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
@@ -331,9 +332,10 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, job_id = json.loads(raw)
         when = datetime.fromisoformat(created)
-        if when.tzinfo is None or not isinstance(job_id, str):
+        if when.tzinfo is None or not isinstance(job_id, str) or has_control_char(job_id):
             raise ValueError("bad cursor fields")
-    except (ValueError, TypeError, binascii.Error, json.JSONDecodeError) as e:
+        when = when.astimezone(UTC)  # OverflowError past either end of the calendar
+    except (ValueError, TypeError, OverflowError, binascii.Error, json.JSONDecodeError) as e:
         raise ValidationFailedError.field(
             "after", f"after={cursor[:80]!r} is not a cursor from this API"
         ) from e

@@ -218,8 +218,12 @@ def record_model_revision(
 
 
 def summary_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The job's `summary` (docs/api.md) from a report.json dict; figures it lacks are null."""
+    """The job's `summary` (docs/api.md) from a report.json dict; figures it lacks are null.
+    predicted_ppl_increase is a dynamic target's figure: a uniform job on a model with a cached
+    profile has one in its report's metrics too (annotate_uniform), but only a report that
+    names its dynamic target (metrics.target) puts it in the summary."""
     metrics = report.get("metrics") or {}
+    dynamic = isinstance(metrics.get("target"), dict)
     return {
         "bits_per_weight": report.get("bits_per_weight"),
         "bits_per_param_total": report.get("bits_per_param_total"),
@@ -228,7 +232,7 @@ def summary_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "ppl_base": metrics.get("ppl_base"),
         "ppl_quantized": metrics.get("ppl_quantized"),
         "kl": metrics.get("kl"),
-        "predicted_ppl_increase": metrics.get("predicted_ppl_increase"),
+        "predicted_ppl_increase": metrics.get("predicted_ppl_increase") if dynamic else None,
         # calibrated HIGGS: which text ({source, sha256, tokens}); null for data-free jobs
         "calibration": (
             {k: metrics["calibration"].get(k) for k in ("source", "sha256", "tokens")}

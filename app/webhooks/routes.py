@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from app.deps import CurrentKey, SessionsDep
 from app.jobs.service import get_job
 from app.openapi import AUTHENTICATED, problems
+from app.params import JobId
 from app.webhooks import service
 from app.webhooks.signing import SIGNATURE_HEADER
 
@@ -73,7 +74,7 @@ def rotate_webhook_secret(sessions: SessionsDep, key: CurrentKey) -> SecretOut:
     responses=problems(*AUTHENTICATED, 404),
     summary="The job's webhook deliveries and their outcomes",
 )
-def list_job_webhooks(job_id: str, sessions: SessionsDep, key: CurrentKey) -> DeliveriesOut:
+def list_job_webhooks(job_id: JobId, sessions: SessionsDep, key: CurrentKey) -> DeliveriesOut:
     with sessions() as session:
         job = get_job(session, key, job_id)
         rows = service.deliveries_of(session, job.id)

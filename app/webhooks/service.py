@@ -1,31 +1,36 @@
 """Webhook secrets, the deliveries of a job, and the dispatcher that makes and sends events.
 
-The dispatcher (`dispatch_once`) runs in a thread of each worker's main process
-(worker/webhooks.py), never inside a job: a receiver that is down or slow delays only other
-deliveries, never a job. It
+The dispatcher (`Dispatcher`) runs in a thread of each worker's main process
+(worker/webhooks.py), never inside a job: a receiver that is down or slow never delays a job.
+Each tick it
 
 1. makes one event (a `webhook_deliveries` row) for every job that reached a terminal state,
    has a webhook_url and has no event yet (the unique (job_id, event) constraint lets several
    workers race safely);
-2. claims due deliveries with a compare-and-set on (attempts, next_attempt_at), POSTs them
-   signed (app.webhooks.signing) and records the outcome: 2xx = delivered; anything else is
-   retried with exponential backoff until the event is older than the retry window or the
-   attempts are used up, then failed.
+2. claims due deliveries with a compare-and-set on (attempts, next_attempt_at), as many as
+   there are free slots (HIGGS_WEBHOOK_CONCURRENCY) and at most
+   HIGGS_WEBHOOK_PER_KEY_CONCURRENCY per API key, and starts them without waiting: each POSTs
+   signed (app.webhooks.signing) within a total deadline (app.webhooks.post) and records the
+   outcome: 2xx = delivered; anything else is retried with exponential backoff until the event
+   is older than the retry window or the attempts are used up, then failed. A slow receiver
+   thus holds at most its own key's slots, never another tenant's deliveries.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import httpx
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -33,6 +38,7 @@ from app.db.base import utcnow
 from app.db.models import TERMINAL, ApiKey, Job, WebhookDelivery
 from app.errors import NotFoundError
 from app.settings import Settings
+from app.webhooks.post import POST_ERRORS, post
 from app.webhooks.signing import EVENT_ID_HEADER, SIGNATURE_HEADER, new_secret, sign
 from app.webhooks.urls import WebhookUrlError, checked_addresses, pin
 
@@ -42,6 +48,8 @@ PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 MAX_ERROR_CHARS = 500
 MAX_LOG_ENTRIES = 50
 USER_AGENT = "higgs-webhooks/1"
+# Of a receiver's answer only the status counts: at most this much of its body is read.
+MAX_ANSWER_BYTES = 4096
 
 
 # ---------------------------------------------------------------- secrets
@@ -171,6 +179,7 @@ def make_events(session: Session, settings: Settings, now: datetime | None = Non
 @dataclass(frozen=True)
 class Claimed:
     id: str
+    key_id: str  # the API key whose job it is (deliveries in flight are capped per key)
     url: str
     body: bytes
     secret: str
@@ -196,28 +205,62 @@ def backoff_s(settings: Settings, attempt: int) -> float:
     )
 
 
-def claim_due(session: Session, settings: Settings, now: datetime, limit: int) -> list[Claimed]:
-    """Due pending deliveries, each claimed by bumping attempts and pushing next_attempt_at
-    past the send timeout (so another dispatcher does not send it meanwhile)."""
-    rows = session.execute(
-        select(WebhookDelivery, Job.api_key_id)
+def claim_due(
+    session: Session,
+    settings: Settings,
+    now: datetime,
+    limit: int,
+    busy: Mapping[str, int] | None = None,
+) -> list[Claimed]:
+    """Up to `limit` due pending deliveries, oldest first, at most
+    settings.webhook_per_key_concurrency per API key counting the key's deliveries already in
+    flight (`busy`), so one tenant's backlog cannot take every slot. Each is claimed by bumping
+    attempts and pushing next_attempt_at past the delivery deadline (so another dispatcher does
+    not send it meanwhile)."""
+    busy = dict(busy or {})
+    per_key = settings.webhook_per_key_concurrency
+    rank = (
+        func.row_number()
+        .over(
+            partition_by=Job.api_key_id,
+            order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id),
+        )
+        .label("rank")
+    )
+    due = (
+        select(WebhookDelivery.id, WebhookDelivery.next_attempt_at, Job.api_key_id, rank)
         .join(Job, Job.id == WebhookDelivery.job_id)
         .where(WebhookDelivery.state == PENDING, WebhookDelivery.next_attempt_at <= now)
-        .order_by(WebhookDelivery.next_attempt_at)
-        .limit(limit)
+        .subquery()
+    )
+    candidates = session.execute(
+        select(due.c.id, due.c.api_key_id)
+        .where(due.c.rank <= per_key)
+        .order_by(due.c.next_attempt_at, due.c.id)
+        .limit(limit + per_key * len(busy))
     ).all()
     session.rollback()
     lease = now + timedelta(seconds=settings.webhook_timeout_s * 2 + 5)
     out: list[Claimed] = []
-    for d, key_id in rows:
+    for delivery_id, key_id in candidates:
+        if len(out) >= limit:
+            break
+        if busy.get(key_id, 0) >= per_key:
+            continue
+        d = session.get(WebhookDelivery, delivery_id)
+        if d is None or d.state != PENDING:
+            session.rollback()
+            continue
+        attempts, url, created_at = d.attempts, d.url, d.created_at
+        body = json.dumps(d.payload, separators=(",", ":"), sort_keys=True).encode()
         res = session.execute(
             update(WebhookDelivery)
             .where(
-                WebhookDelivery.id == d.id,
+                WebhookDelivery.id == delivery_id,
                 WebhookDelivery.state == PENDING,
-                WebhookDelivery.attempts == d.attempts,
+                WebhookDelivery.attempts == attempts,
             )
-            .values(attempts=d.attempts + 1, next_attempt_at=lease, updated_at=now)
+            .values(attempts=attempts + 1, next_attempt_at=lease, updated_at=now)
             .execution_options(synchronize_session=False)
         )
         if getattr(res, "rowcount", 0) != 1:
@@ -225,37 +268,39 @@ def claim_due(session: Session, settings: Settings, now: datetime, limit: int) -
             continue
         secret = secret_of(session, key_id)  # commits the claim (and a first secret)
         session.commit()
-        body = json.dumps(d.payload, separators=(",", ":"), sort_keys=True).encode()
-        out.append(Claimed(d.id, d.url, body, secret, d.attempts + 1, d.created_at))
+        out.append(Claimed(delivery_id, key_id, url, body, secret, attempts + 1, created_at))
+        busy[key_id] = busy.get(key_id, 0) + 1
     return out
 
 
 def send(claimed: Claimed, settings: Settings) -> Outcome:
-    """One signed POST. Redirects are not followed; the URL is checked again first (its host
-    may resolve elsewhere now) and the connection goes to the address that passed it."""
+    """One signed POST, over within settings.webhook_timeout_s of wall time whatever the
+    receiver does (app.webhooks.post). Redirects are not followed and at most
+    MAX_ANSWER_BYTES of the answer are read; the URL is checked again first (its host may
+    resolve elsewhere now) and the connection goes to the address that passed it."""
     t0 = time.monotonic()
     try:
         addresses = checked_addresses(claimed.url, allow_private=settings.webhook_allow_private)
         target = pin(claimed.url, addresses[0]) if addresses else None
-        with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False) as client:
-            r = client.post(
-                target.url if target else claimed.url,
-                content=claimed.body,
-                headers={
-                    **(target.headers if target else {}),
-                    "Content-Type": "application/json",
-                    "User-Agent": USER_AGENT,
-                    SIGNATURE_HEADER: sign(claimed.secret, claimed.body),
-                    EVENT_ID_HEADER: claimed.id,
-                    "Higgs-Delivery-Attempt": str(claimed.attempt),
-                },
-                extensions=dict(target.extensions) if target else None,
-            )
-        code: int | None = r.status_code
-        err = None if 200 <= r.status_code < 300 else f"HTTP {r.status_code}"
+        code: int | None = post(
+            target.url if target else claimed.url,
+            claimed.body,
+            {
+                **(target.headers if target else {}),
+                "Content-Type": "application/json",
+                "User-Agent": USER_AGENT,
+                SIGNATURE_HEADER: sign(claimed.secret, claimed.body),
+                EVENT_ID_HEADER: claimed.id,
+                "Higgs-Delivery-Attempt": str(claimed.attempt),
+            },
+            total_s=settings.webhook_timeout_s,
+            max_answer_bytes=MAX_ANSWER_BYTES,
+            sni_hostname=target.extensions.get("sni_hostname") if target else None,
+        )
+        err = None if code is not None and 200 <= code < 300 else f"HTTP {code}"
     except WebhookUrlError as e:
         code, err = None, str(e)
-    except httpx.HTTPError as e:
+    except POST_ERRORS as e:
         code, err = None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return Outcome(code, err[:MAX_ERROR_CHARS] if err else None, (time.monotonic() - t0) * 1e3)
 
@@ -292,26 +337,82 @@ def record(
     return d.state
 
 
-def dispatch_once(
-    sessions: sessionmaker[Session], settings: Settings, *, batch: int = 16, parallel: int = 4
-) -> dict[str, int]:
-    """Make due events and send due deliveries once; counts of what happened."""
-    now = utcnow()
-    with sessions() as s:
-        made = make_events(s, settings, now)
-    with sessions() as s:
-        claimed = claim_due(s, settings, now, batch)
-    counts = {"made": len(made), "sent": len(claimed), DELIVERED: 0, PENDING: 0, FAILED: 0}
-    if not claimed:
-        return counts
-    with ThreadPoolExecutor(max_workers=min(parallel, len(claimed))) as pool:
-        outcomes = list(pool.map(lambda c: send(c, settings), claimed))
-    with sessions() as s:
-        for c, o in zip(claimed, outcomes, strict=True):
-            new_state = record(s, settings, c, o, utcnow())
-            counts[new_state] += 1
-            if not o.ok:
+class Dispatcher:
+    """Makes events and starts due deliveries without waiting for them: each `tick` claims
+    what fits in the free slots (settings.webhook_concurrency in flight, at most
+    settings.webhook_per_key_concurrency of them per API key) and hands each to a thread of
+    its pool, which sends it and records the outcome. A receiver that is slow (up to the
+    deadline of settings.webhook_timeout_s) holds one slot of its own key; other keys'
+    deliveries start on the next tick."""
+
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings) -> None:
+        self.sessions = sessions
+        self.settings = settings
+        self._pool = ThreadPoolExecutor(
+            max_workers=settings.webhook_concurrency, thread_name_prefix="higgs-webhook"
+        )
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight: dict[str, str] = {}  # delivery id -> API key id
+        self.recorded: Counter[str] = Counter()
+
+    def in_flight(self) -> dict[str, int]:
+        """Deliveries being sent now, by API key id."""
+        with self._lock:
+            return dict(Counter(self._in_flight.values()))
+
+    def tick(self) -> dict[str, int]:
+        """Make due events and start due deliveries; counts of both."""
+        now = utcnow()
+        with self.sessions() as s:
+            made = make_events(s, self.settings, now)
+        busy = self.in_flight()
+        free = self.settings.webhook_concurrency - sum(busy.values())
+        claimed: list[Claimed] = []
+        if free > 0:
+            with self.sessions() as s:
+                claimed = claim_due(s, self.settings, now, free, busy)
+        for c in claimed:
+            with self._lock:
+                self._in_flight[c.id] = c.key_id
+            self._pool.submit(self._deliver, c)
+        return {"made": len(made), "sent": len(claimed)}
+
+    def _deliver(self, c: Claimed) -> None:
+        try:
+            outcome = send(c, self.settings)
+            with self.sessions() as s:
+                new_state = record(s, self.settings, c, outcome, utcnow())
+            with self._lock:
+                self.recorded[new_state] += 1
+            if not outcome.ok:
                 log.info(
-                    "webhook %s try %d to %s: %s -> %s", c.id, c.attempt, c.url, o.error, new_state
-                )
-    return counts
+                    "webhook %s try %d to %s: %s -> %s",
+                    c.id, c.attempt, c.url, outcome.error, new_state,
+                )  # fmt: skip
+        except Exception as e:  # the database may be away: the claim's lease runs out, retried
+            log.warning("webhook %s try %d not recorded: %s", c.id, c.attempt, e)
+        finally:
+            with self._lock:
+                self._in_flight.pop(c.id, None)
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no delivery is in flight; False when timeout ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._in_flight, timeout)
+
+    def close(self, wait: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def dispatch_once(sessions: sessionmaker[Session], settings: Settings) -> dict[str, int]:
+    """Make due events, send the due deliveries that fit (concurrently, capped per key as in
+    Dispatcher) and wait for their outcomes; counts of what happened."""
+    dispatcher = Dispatcher(sessions, settings)
+    try:
+        counts = dispatcher.tick()
+        dispatcher.wait_idle()
+    finally:
+        dispatcher.close(wait=True)
+    return {**counts, DELIVERED: 0, PENDING: 0, FAILED: 0, **dispatcher.recorded}

@@ -17,6 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.artifacts.manifest import artifact_row
 from app.jobs import state
 from app.keys.service import create_key
+from app.main import create_app
+from app.params import NO_CONTROL_CHARS
 from app.settings import Settings
 from tests.app.factories import make_job
 from tests.fixtures import serve_app
@@ -111,3 +113,19 @@ def test_schemathesis_all_checks_find_nothing(
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-20000:]
     assert "failures" not in report.split("Test cases:")[-1], report[-5000:]
+
+
+def test_every_path_parameter_refuses_control_characters(settings: Settings) -> None:
+    """Each id or file path in a URL is declared without control characters, so clients and the
+    fuzzer above know it, and the API answers such a request 422 before any query runs."""
+    doc = create_app(settings).openapi()
+    seen = []
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            for param in op.get("parameters", []):
+                if param["in"] != "path" or "enum" in param["schema"]:
+                    continue
+                seen.append((method, path, param["name"]))
+                assert param["schema"].get("pattern") == NO_CONTROL_CHARS, (method, path, param)
+    assert ("get", "/v1/calibrations/{calibration_id}", "calibration_id") in seen
+    assert ("get", "/v1/jobs/{job_id}/artifacts/{format}/files/{path}", "path") in seen

@@ -3,9 +3,13 @@ naming the right field, and nothing is stored."""
 
 from __future__ import annotations
 
+import base64
 import json
+import random
+import string
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +17,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import Job
+from app.errors import UnauthorizedError
 from app.jobs.service import config_error_field
+from app.links import check_token
+from app.main import create_app
 from app.settings import Settings
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.config import HiggsConfig
@@ -160,3 +167,136 @@ def test_engine_config_errors_carry_their_field(
         make()
     assert info.value.field == field
     assert config_error_field(info.value, "bits") == request_field
+
+
+# ---------------------------------------------------------------- ids, cursors and tokens
+
+# Every route with an id in its path, and the field a bad id is named by.
+PATH_ID_ROUTES = [
+    ("GET", "/v1/jobs/{id}", "job_id"),
+    ("POST", "/v1/jobs/{id}/cancel", "job_id"),
+    ("GET", "/v1/jobs/{id}/layers", "job_id"),
+    ("GET", "/v1/jobs/{id}/report", "job_id"),
+    ("GET", "/v1/jobs/{id}/events", "job_id"),
+    ("GET", "/v1/jobs/{id}/webhooks", "job_id"),
+    ("GET", "/v1/jobs/{id}/artifacts/native", "job_id"),
+    ("GET", "/v1/jobs/{id}/artifacts/native/files/model.safetensors", "job_id"),
+    ("GET", "/v1/jobs/x/artifacts/native/files/{id}", "path"),
+    ("GET", "/v1/jobs/x/artifacts/native/files/dir/{id}", "path"),
+    ("POST", "/v1/jobs/{id}/artifacts/native/link", "job_id"),
+    ("GET", "/v1/jobs/{id}/artifacts/native/archive", "job_id"),
+    ("GET", "/v1/jobs/{id}/artifacts/native/archive?token=abc.def", "job_id"),
+    ("GET", "/v1/calibrations/{id}", "calibration_id"),
+]
+CONTROL_CHARS = [chr(c) for c in range(0x20)] + ["\x7f"]
+
+
+def _fuzzed_ids(seed: int, count: int) -> list[str]:
+    """Ids with control characters (NUL always among them) at the start, middle and end."""
+    rng = random.Random(seed)
+    ids = ["\x00", "x\x00", "\x00x", "0a4c1e4e-0000-4000-8000-00000000000\x00", "x\x7f"]
+    while len(ids) < count:
+        base = "".join(rng.choice(string.ascii_letters + string.digits + "-") for _ in range(8))
+        at = rng.randrange(len(base) + 1)
+        ids.append(base[:at] + rng.choice(CONTROL_CHARS) + base[at:])
+    return ids
+
+
+def test_control_characters_in_path_ids_are_422_on_every_route(
+    settings: Settings, auth: dict[str, str]
+) -> None:
+    """A NUL (PostgreSQL refuses it in text) or any other control character in an id is a 422
+    naming the parameter, on SQLite and PostgreSQL alike; never a 500."""
+    unlimited = settings.model_copy(update={"rate_limit_per_s": 0})
+    with TestClient(create_app(unlimited)) as client:
+        for raw in _fuzzed_ids(seed=20261201, count=24):
+            for method, template, field in PATH_ID_ROUTES:
+                url = template.replace("{id}", quote(raw, safe=""))
+                r = client.request(method, url, headers=auth)
+                problem = assert_problem(r, 422, field)
+                assert "control characters" in problem["detail"], problem
+        # Without control characters an unknown id is still a plain 404.
+        assert_problem(client.get("/v1/jobs/x", headers=auth), 404)
+        assert_problem(client.get("/v1/calibrations/x%20y", headers=auth), 404)
+
+
+def _cursor(created: str, job_id: Any) -> str:
+    raw = json.dumps([created, job_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    ("created", "job_id"),
+    [
+        ("9999-12-31T23:59:59-14:00", "x"),  # past year 9999 in UTC
+        ("0001-01-01T00:00:00+14:00", "x"),  # before year 1 in UTC
+        ("2026-01-01T00:00:00+00:00", "x\x00"),
+        ("2026-01-01T00:00:00+00:00", "x\n"),
+        ("2026-01-01T00:00:00+00:00", 7),
+        ("2026-01-01T00:00:00", "x"),  # no time zone
+    ],
+)
+def test_forged_cursors_are_422_on_after(
+    client: TestClient, auth: dict[str, str], created: str, job_id: Any
+) -> None:
+    r = client.get("/v1/jobs", params={"after": _cursor(created, job_id)}, headers=auth)
+    assert_problem(r, 422, "after")
+
+
+def test_cursors_at_the_edges_of_the_calendar_still_work(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    for created in ("9999-12-31T23:59:59.999999+00:00", "0001-01-01T00:00:00-14:00"):
+        r = client.get("/v1/jobs", params={"after": _cursor(created, "x")}, headers=auth)
+        assert r.status_code == 200 and r.json()["data"] == [], r.text
+
+
+def _token(payload: bytes) -> str:
+    return base64.urlsafe_b64encode(payload).decode().rstrip("=") + ".AAAA"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"k":"a","j":"x","f":"native","e":1e999}',  # infinity
+        b'{"k":"a","j":"x","f":"native","e":-1e999}',
+        b'{"k":"a","j":"x","f":"native","e":NaN}',
+        b'{"k":"a\\u0000","j":"x","f":"native","e":1}',  # NUL in the key id
+        b'{"k":"a","j":"x\\u0000","f":"native","e":1}',
+        b'{"k":["a"],"j":"x","f":"native","e":1}',
+        b'{"k":"a","j":"x","f":"native","e":' + b"9" * 600 + b"}",
+        b"[" * 600 + b"]" * 60,  # nested as deep as the length limit allows
+        b'{"k":' * 110 + b"1" + b"}" * 110,
+        b'"just a string"',
+    ],
+)
+def test_forged_link_tokens_are_401(
+    client: TestClient, auth: dict[str, str], payload: bytes
+) -> None:
+    """A forged ?token= is refused like any other bad token (401), whatever its JSON holds."""
+    r = client.get("/v1/jobs/x/artifacts/native/archive", params={"token": _token(payload)})
+    assert_problem(r, 401)
+
+
+def test_deeply_nested_token_payloads_are_not_link_tokens() -> None:
+    """Past the length limit too (the route checks it first), nesting is refused, not a crash."""
+    for payload in (b"[" * 100_000, b'{"k":' * 50_000):
+        with pytest.raises(UnauthorizedError):
+            check_token(cast(Session, None), _token(payload), "x", "native", None)
+
+
+def test_oversized_link_tokens_are_refused(client: TestClient) -> None:
+    r = client.get("/v1/jobs/x/artifacts/native/archive", params={"token": _token(b"[" * 20000)})
+    assert_problem(r, 422, "token")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://hooks.example/\x00", "http://hooks.exa\x00mple/", "http://hooks.example/a\nb"]
+)
+def test_control_characters_in_a_webhook_url_are_422(
+    client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session], url: str
+) -> None:
+    body = {"model": {"id": "tiny"}, "target": {"bits": 4}, "webhook_url": url}
+    problem = assert_problem(client.post("/v1/jobs", json=body, headers=auth), 422, "webhook_url")
+    assert "control characters" in problem["detail"]
+    no_jobs(sessions)

@@ -30,6 +30,8 @@ def test_defaults_live_under_the_data_dir(tmp_path: Path, monkeypatch: pytest.Mo
     assert (
         s.artifacts_path.is_dir() and Path(s.broker_transport_options()["control_folder"]).is_dir()
     )
+    # A presigned store URL outlives a revoked key until it expires: minutes, not a quarter hour.
+    assert 60 <= s.artifacts_redirect_ttl_s <= 300
 
 
 def test_environment_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

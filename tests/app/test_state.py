@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -141,6 +142,29 @@ def test_succeed_stores_report_layers_artifacts_in_one_go(
         with pytest.raises(state.IllegalTransitionError) as e:
             call()
         assert e.value.status == 409 and e.value.job_status == "succeeded"
+
+
+def test_predicted_ppl_increase_is_a_dynamic_targets_figure(s: Session, key_id: str) -> None:
+    """A uniform job on a model with a cached profile gets the prediction in its report
+    (metrics, from the layers' measured errors), but its summary says null, as documented:
+    only a dynamic target (whose report names the target) has a predicted_ppl_increase."""
+    metrics: dict[str, Any] = {
+        "ppl_base": 10.0,
+        "ppl_quantized": 10.5,
+        "predicted_ppl_increase": 0.031,
+    }
+    annotated = {**REPORT, "metrics": metrics}
+    uniform = make_job(s, key_id)
+    state.claim(s, uniform.id, "w1")
+    done = state.succeed(s, uniform.id, annotated, worker_id="w1")
+    assert done.summary is not None and done.summary["predicted_ppl_increase"] is None
+    assert done.report is not None and done.report["metrics"]["predicted_ppl_increase"] == 0.031
+
+    dynamic_report = {**REPORT, "metrics": {**metrics, "target": {"avg_bits": 3.5}}}
+    dynamic = make_job(s, key_id)
+    state.claim(s, dynamic.id, "w1")
+    done = state.succeed(s, dynamic.id, dynamic_report, worker_id="w1")
+    assert done.summary is not None and done.summary["predicted_ppl_increase"] == 0.031
 
 
 def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, tmp_path) -> None:

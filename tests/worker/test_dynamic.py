@@ -234,7 +234,8 @@ def test_plans_404_before_and_the_jobs_allocation_after(
         headers=auth,
     )
     assert r.status_code == 200 and r.json()["allocation"]["predicted_ppl_increase"] <= 0.05
-    # A uniform job on the profiled model reports the predicted change too (no new profile).
+    # A uniform job on the profiled model reports the predicted change in its report too (no
+    # new profile); its summary's predicted_ppl_increase stays null (a dynamic target's figure).
     uniform = create_job(
         sessions, dyn_settings, {"model": {"id": MODEL}, "target": {"bits": 4}, "options": NATIVE}
     )
@@ -243,8 +244,11 @@ def test_plans_404_before_and_the_jobs_allocation_after(
     assert {(la.p, la.n) for la in u.layers} == {(2, 256)}
     pred = math.fsum((la.alpha or 0.0) * (la.rel_error or 0.0) for la in u.layers)
     assert all(la.alpha is not None for la in u.layers) and pred > 0
-    assert u.summary is not None
-    assert u.summary["predicted_ppl_increase"] == pytest.approx(math.expm1(pred), rel=1e-9)
+    assert u.summary is not None and u.summary["predicted_ppl_increase"] is None
+    assert u.report is not None
+    assert u.report["metrics"]["predicted_ppl_increase"] == pytest.approx(
+        math.expm1(pred), rel=1e-9
+    )
     # Below this model's exact floor (grids and scales of its real shapes): 422 naming the field.
     r = http.post(
         "/v1/plans", json={"model": {"id": MODEL}, "target": {"avg_bits": 1.1}}, headers=auth

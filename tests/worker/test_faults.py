@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import shutil
 import threading
@@ -432,6 +433,39 @@ def test_error_messages_carry_no_server_paths_and_stay_short(
     assert public_message(FileNotFoundError(2, "No such file", "/var/lib/higgs/x.bin"), {}) == (
         "FileNotFoundError: [Errno 2] No such file: 'x.bin'"
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hidden_size", "sixty-four"),  # transformers' strict config validation refuses it
+        ("vocab_size", None),
+        ("num_attention_heads", 0),  # the config's own check divides by it
+        ("rope_scaling", "linear"),
+    ],
+)
+def test_a_malformed_config_is_unsupported_model_not_internal_error(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    runner_cfg: RunnerConfig,
+    tmp_path: Path,
+    models_dir: Path,
+    field: str,
+    value: Any,
+) -> None:
+    """config.json that is JSON but whose fields transformers cannot build a config from."""
+    broken = tmp_path / "srv-models"
+    shutil.copytree(models_dir / MODEL, broken / MODEL)
+    cfg_file = broken / MODEL / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), field: value}))
+    job_id = create_job(sessions, settings, BODY)
+    run_job(sessions, job_id, dataclasses.replace(runner_cfg, models_dir=broken))
+    job = _job(sessions, job_id)
+    assert job.status == "failed" and job.error_code == "unsupported_model", job.error_message
+    assert "config.json" in (job.error_message or "") and str(tmp_path) not in (
+        job.error_message or ""
+    )
+    assert len(job.error_message or "") < 500
 
 
 def _linked_model(tmp_path: Path, models_dir: Path, link: Callable[[Path, Path], None]) -> Path:
