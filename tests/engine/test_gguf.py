@@ -99,6 +99,15 @@ def test_bad_widths_are_refused() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_shipped_architecture_list_is_the_converters() -> None:
+    """The API checks gguf requests against a list shipped with the package (no llama.cpp in
+    the API image): it must be the installed converter's."""
+    from higgs_engine.gguf.convert import supported_architectures
+    from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES
+
+    assert supported_architectures() == GGUF_ARCHITECTURES
+
+
 def test_converter_knows_the_families() -> None:
     assert check_architecture(["LlamaForCausalLM"]) == "LlamaForCausalLM"
     assert check_architecture(["BertModel"]) == "BertModel"
