@@ -1,0 +1,494 @@
+"""GGUF files for llama.cpp: the allocator choosing llama.cpp's types per tensor (data-free)
+against llama.cpp's own mixtures, side by side in one run, everything measured in llama.cpp.
+
+For each model (SmolLM2-135M-Instruct, all-MiniLM-L6-v2) the checkpoint is converted once with
+llama.cpp's converter (16-bit GGUF, the base of every comparison), then:
+
+- llama.cpp's own Q3_K_M, Q4_K_M, IQ4_XS and Q5_K_M (llama_model_quantize, as llama-quantize
+  makes them), and the same four with an importance matrix computed on held-out news text
+  (the stretch comparison; the imatrix is collected as llama-imatrix does: the mean square of
+  each input column of every matrix product, here from the torch model's linear inputs);
+- the allocator (`higgs quantize --format gguf --avg-bits B`): t^2 of every tensor in every
+  menu type with llama.cpp's kernels, alphas from the model's data-free profile (embedding and
+  head included, the engine's default profile: self-generated text for SmolLM2, random tokens
+  for MiniLM), the exact DP at B = each llama.cpp file's bits per weight (so its file is never
+  larger), and at 3.5 and 4.5 bits per weight.
+
+Quality in llama.cpp against the 16-bit file: SmolLM2 perplexity and mean KL per token on the
+first news windows (every file is data-free or uses held-out text for its imatrix); MiniLM
+1 - cos of the mean-pooled embeddings of news sentences. File size (bytes on disk), bits per
+weight as llama.cpp counts them (tensor data over all parameters), quantization time (llama.cpp:
+llama_model_quantize; allocator: measuring t^2 + DP + llama_model_quantize; the profile is
+measured once per model and cached, its time listed apart), predicted and measured change.
+
+    python benchmarks/gguf.py [--model smollm2|minilm|all] [--windows 16] [--sentences 2000]
+        [--threads 2] [--no-imatrix]
+
+Writes benchmarks/results/gguf_<model>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Run as a script, this file's folder comes first on sys.path, and this file's name would
+# shadow the `gguf` package (llama.cpp's gguf-py) that the engine imports: the repository root
+# replaces it.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
+from devtools.quality import MINILM_DIR, NEWS_FILE, SMOLLM_DIR, news_sentences  # noqa: E402
+from higgs_engine.gguf.convert import convert_checkpoint  # noqa: E402
+from higgs_engine.gguf.evaluate import _log_softmax  # noqa: E402
+from higgs_engine.gguf.llama import LlamaModel, llama_version, quantize_file  # noqa: E402
+from higgs_engine.gguf.plan import (  # noqa: E402
+    allocate_gguf,
+    build_gguf_problem,
+    gguf_names,
+    measure_errors,
+    read_gguf,
+    tensor_alphas,
+)
+from higgs_engine.planning.gguf_types import GGUF_MENU  # noqa: E402
+
+LLAMA_MIXTURES = ("Q3_K_M", "Q4_K_M", "IQ4_XS", "Q5_K_M")
+EXTRA_BUDGETS = (3.5, 4.5)
+IMATRIX_TOKENS = 16384  # llama-imatrix's usual budget: 32 chunks of 512
+
+
+def _ftype_label(types: dict[str, Any]) -> str:
+    top: dict[str, int] = {}
+    for t in types.values():
+        top[t.name] = top.get(t.name, 0) + 1
+    return max(sorted(top), key=lambda n: top[n])
+
+
+def file_figures(paths: list[Path]) -> dict[str, Any]:
+    g = read_gguf(paths, quantized=True)
+    tensor_bytes = g.fixed_bytes + sum(g.bytes_of.values())
+    hist: dict[str, int] = {}
+    for t in g.types.values():
+        hist[t] = hist.get(t, 0) + 1
+    return {
+        "file_bytes": sum(p.stat().st_size for p in paths),
+        "bits_per_weight": 8.0 * tensor_bytes / g.params_total,
+        "params": g.params_total,
+        "types": dict(sorted(hist.items())),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance matrices (the stretch comparison)
+# ---------------------------------------------------------------------------------------------
+
+
+def collect_imatrix(
+    checkpoint: Path, gguf_file: Path, text: str, encoder: bool, context: int
+) -> dict[str, np.ndarray]:
+    """{GGUF tensor name: mean square of each input column} over `IMATRIX_TOKENS` tokens of
+    `text`, as llama-imatrix collects it (inputs of every matrix product; a tied head's under
+    token_embd.weight)."""
+    import torch
+
+    from devtools.quality import load_causal_lm, load_encoder
+    from higgs_engine.evaluate import text_windows, tokenize
+
+    model, tok = (load_encoder if encoder else load_causal_lm)(checkpoint)
+    model = model.float().eval()
+    f = read_gguf(gguf_file)
+    present = {t.name for t in f.tensors}
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    mapped = gguf_names(f.arch, f.n_blocks, names)
+    for n in names:
+        if n not in mapped and n.endswith("lm_head"):
+            mapped[n] = "output.weight"
+    for n, g in list(mapped.items()):
+        if g == "output.weight" and g not in present:
+            mapped[n] = "token_embd.weight"  # tied head: llama.cpp multiplies by token_embd
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+
+    def hook(name: str) -> Any:
+        def fn(_mod: Any, inp: tuple[Any, ...]) -> None:
+            x = inp[0].detach().float().reshape(-1, inp[0].shape[-1])
+            sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return fn
+
+    mods = dict(model.named_modules())
+    for n, g in mapped.items():
+        if g in present:
+            hooks.append(mods[n].register_forward_pre_hook(hook(g)))
+    ctx = context if not encoder else 128
+    wins = text_windows(tokenize(tok, text), ctx, max(1, IMATRIX_TOKENS // ctx))
+    with torch.inference_mode():
+        for i in range(wins.shape[0]):
+            model(input_ids=wins[i : i + 1])
+    for h in hooks:
+        h.remove()
+    return {g: (sums[g] / counts[g]).numpy().astype(np.float32) for g in sums}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation in llama.cpp, every file against the 16-bit one on the same tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def eval_causal(
+    base: Path, files: dict[str, Path], text: str, context: int, windows: int, threads: int
+) -> dict[str, dict[str, float]]:
+    with LlamaModel(base, n_ctx=context, threads=threads) as mb:
+        toks = mb.tokenize(text)
+        wins = [toks[i * context : (i + 1) * context] for i in range(windows)]
+        models = {k: LlamaModel(p, n_ctx=context, threads=threads) for k, p in files.items()}
+        try:
+            acc = {k: [0.0, 0.0] for k in files}  # nll, kl
+            nll_b = 0.0
+            count = 0
+            for w in wins:
+                lb = _log_softmax(mb.logits(w))[:-1]
+                nxt = np.asarray(w[1:])
+                rows = np.arange(len(nxt))
+                nll_b -= float(lb[rows, nxt].sum())
+                pb = np.exp(lb)
+                for k, m in models.items():
+                    lq = _log_softmax(m.logits(w))[:-1]
+                    acc[k][0] -= float(lq[rows, nxt].sum())
+                    acc[k][1] += float((pb * (lb - lq)).sum())
+                count += len(nxt)
+        finally:
+            for m in models.values():
+                m.close()
+    out = {"base": {"ppl": float(np.exp(nll_b / count)), "kl": 0.0, "tokens": count}}
+    for k, (nll, kl) in acc.items():
+        out[k] = {"ppl": float(np.exp(nll / count)), "kl": kl / count, "tokens": count}
+    return out
+
+
+def eval_encoder(
+    base: Path, files: dict[str, Path], sentences: list[str], threads: int
+) -> dict[str, dict[str, float]]:
+    def embed(m: LlamaModel, toks: list[int]) -> np.ndarray:
+        v = m.pooled(toks).astype(np.float64)
+        return v / max(float(np.linalg.norm(v)), 1e-30)
+
+    with LlamaModel(base, n_ctx=258, embeddings=True, threads=threads) as mb:
+        token_lists = [mb.tokenize(s, add_special=True)[:256] for s in sentences]
+        ref = [embed(mb, t) for t in token_lists]
+    out: dict[str, dict[str, float]] = {"base": {"one_minus_cos": 0.0}}
+    for k, p in files.items():
+        with LlamaModel(p, n_ctx=258, embeddings=True, threads=threads) as m:
+            d = [1.0 - float(embed(m, t) @ r) for t, r in zip(token_lists, ref, strict=True)]
+        out[k] = {"one_minus_cos": float(np.mean(d)), "sentences": len(sentences)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One model
+# ---------------------------------------------------------------------------------------------
+
+
+def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from higgs_engine.dynamic import obtain_profile, profile_stores
+
+    checkpoint = SMOLLM_DIR if name == "smollm2" else MINILM_DIR
+    encoder = name == "minilm"
+    text = NEWS_FILE.read_text(encoding="utf-8")
+    cache = args.profile_cache
+    t0 = time.perf_counter()
+    base = convert_checkpoint(checkpoint, work / f"{name}-f16.gguf")
+    convert_s = time.perf_counter() - t0
+    print(f"[{name}] converted in {convert_s:.1f} s", flush=True)
+
+    prof = obtain_profile(
+        checkpoint, stores=profile_stores(cache), selfgen_cache=cache, embeddings=True
+    )
+    profile = prof.profile
+    print(f"[{name}] profile {'reused' if prof.reused else 'measured'}", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    files: dict[str, Path] = {}
+
+    # llama.cpp's own mixtures, without and with an importance matrix
+    imatrix = None
+    if not args.no_imatrix:
+        t0 = time.perf_counter()
+        held_out = _held_out_text(text, name, args)
+        imatrix = collect_imatrix(checkpoint, base, held_out, encoder, args.context)
+        imatrix_s = time.perf_counter() - t0
+        print(f"[{name}] imatrix of {len(imatrix)} tensors in {imatrix_s:.1f} s", flush=True)
+    for mix in LLAMA_MIXTURES:
+        for with_im in (False, True) if imatrix is not None else (False,):
+            label = f"llama.cpp {mix}" + (" + imatrix" if with_im else "")
+            dst = work / f"{name}-{mix}{'-im' if with_im else ''}.gguf"
+            t0 = time.perf_counter()
+            quantize_file(
+                base, dst, ftype=mix, imatrix=imatrix if with_im else None, threads=args.threads
+            )
+            secs = time.perf_counter() - t0
+            files[label] = dst
+            rows.append(
+                {
+                    "method": label,
+                    "data": "held-out news (imatrix)" if with_im else "none",
+                    "quantize_s": secs,
+                    **file_figures([dst]),
+                }
+            )
+            print(f"[{name}] {label}: {rows[-1]['bits_per_weight']:.3f} bpw", flush=True)
+
+    # the allocator
+    f = read_gguf(base)
+    t0 = time.perf_counter()
+    t2 = measure_errors(f, GGUF_MENU, threads=args.threads)
+    measure_s = time.perf_counter() - t0
+    alphas, missing = tensor_alphas(f, profile.alphas(), tied_output=True)
+    problem = build_gguf_problem(f, alphas, t2, GGUF_MENU)
+    smallest = (
+        problem.min_avg_bits() * f.params_quantizable + 8.0 * f.fixed_bytes
+    ) / f.params_total
+    budgets = sorted(
+        {round(r["bits_per_weight"], 4) for r in rows if "imatrix" not in r["method"]}
+        | set(EXTRA_BUDGETS)
+    )
+    skipped = [b for b in budgets if b < smallest]
+    for b in (b for b in budgets if b >= smallest):
+        t0 = time.perf_counter()
+        alloc = allocate_gguf(f, problem, GGUF_MENU, avg_bits=b)
+        alloc_s = time.perf_counter() - t0
+        dst = work / f"{name}-higgs-{b:g}.gguf"
+        t0 = time.perf_counter()
+        quantize_file(base, dst, ftype="Q8_0", tensor_types=alloc.types, threads=args.threads)
+        q_s = time.perf_counter() - t0
+        label = f"allocator {b:g} bpw"
+        files[label] = dst
+        figs = file_figures([dst])
+        rows.append(
+            {
+                "method": label,
+                "data": "none (data-free profile)",
+                "target_bits": b,
+                "quantize_s": measure_s + alloc_s + q_s,
+                "measure_s": measure_s,
+                "predicted": alloc.predicted,
+                **figs,
+            }
+        )
+        print(f"[{name}] {label}: {figs['bits_per_weight']:.3f} bpw {figs['types']}", flush=True)
+
+    t0 = time.perf_counter()
+    if encoder:
+        sents = news_sentences(text, args.sentences)
+        measured = eval_encoder(base, files, sents, args.threads)
+        metric = "one_minus_cos"
+    else:
+        measured = eval_causal(base, files, text, args.context, args.windows, args.threads)
+        metric = "kl"
+    eval_s = time.perf_counter() - t0
+    for r in rows:
+        r.update(measured[r["method"]])
+        if r.get("predicted") is not None and r[metric] > 0:
+            r["predicted_over_measured"] = r["predicted"] / r[metric]
+    return {
+        "model": name,
+        "checkpoint": str(checkpoint.relative_to(checkpoint.parents[1])),
+        "metric": metric,
+        "base": measured["base"],
+        "convert_s": convert_s,
+        "eval_s": eval_s,
+        "profile": {
+            "key": profile.key(),
+            "config": profile.config,
+            "calibration": profile.calibration,
+            "seconds": profile.cost.get("seconds"),
+            "reused_from_cache": prof.reused is not None,
+            "unprofiled_tensors": missing,
+        },
+        "imatrix_tokens": IMATRIX_TOKENS if imatrix is not None else None,
+        "smallest_file_bpw": smallest,
+        "budgets_below_smallest": skipped,
+        "rows": rows,
+        "verdicts": verdicts(rows, metric),
+    }
+
+
+def _held_out_text(text: str, name: str, args: argparse.Namespace) -> str:
+    """News text after what the evaluation reads (windows, or sentences)."""
+    if name == "smollm2":
+        # the evaluation reads the first windows x context tokens (about 4.5 characters each
+        # in this text): start past 6 characters per token
+        skip = args.windows * args.context * 6
+    else:
+        sents = news_sentences(text, args.sentences)
+        skip = text.find(sents[-1]) + len(sents[-1])
+    return text[skip:]
+
+
+def verdicts(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """For each llama.cpp mixture: the allocator's file at its size, smaller or equal, and
+    whether its metric is lower (the targets), also against the imatrix version."""
+    out = []
+    ours = [r for r in rows if r["method"].startswith("allocator")]
+    for r in rows:
+        if not r["method"].startswith("llama.cpp") or "imatrix" in r["method"]:
+            continue
+        fit = [o for o in ours if o["file_bytes"] <= r["file_bytes"]]
+        if not fit:
+            continue
+        best = min(fit, key=lambda o: o[metric])
+        im = next((x for x in rows if x["method"] == r["method"] + " + imatrix"), None)
+        out.append(
+            {
+                "llama": r["method"],
+                "llama_bytes": r["file_bytes"],
+                "llama_metric": r[metric],
+                "ours": best["method"],
+                "ours_bytes": best["file_bytes"],
+                "ours_metric": best[metric],
+                "lower": best[metric] < r[metric],
+                "imatrix_metric": im[metric] if im else None,
+                "lower_than_imatrix": (best[metric] < im[metric]) if im else None,
+            }
+        )
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    metric = res["metric"]
+    mname = "KL" if metric == "kl" else "1 - cos"
+    cols: list[tuple[str, str]] = [
+        ("method", "method"),
+        ("data", "data"),
+        ("bits_per_weight", "bits/weight (llama.cpp)"),
+        ("file_mb", "file MB"),
+        (metric, mname),
+    ]
+    if metric == "kl":
+        cols.append(("ppl", "perplexity"))
+    cols += [
+        ("predicted", f"predicted {mname}"),
+        ("predicted_over_measured", "predicted / measured"),
+        ("quantize_s", "quantize s"),
+        ("types_text", "tensor types"),
+    ]
+    rows = []
+    for r in res["rows"]:
+        rows.append(
+            {
+                **r,
+                "file_mb": r["file_bytes"] / 1e6,
+                "types_text": ", ".join(f"{k} {v}" for k, v in r["types"].items()),
+            }
+        )
+    base = res["base"]
+    head = (
+        f"### GGUF in llama.cpp: {res['model']} ({res['checkpoint']})\n\n"
+        f"Every file evaluated in llama.cpp (llama-cpp-python {res['llama_cpp']}) against the "
+        f"16-bit GGUF of the same checkpoint; "
+        + (
+            f"{base['tokens']} tokens of news ({res['windows']} windows of {res['context']}), "
+            f"base perplexity {base['ppl']:.3f}."
+            if metric == "kl"
+            else f"{res['sentences']} news sentences, 1 - cos of mean-pooled embeddings."
+        )
+        + f" Allocator profile: {res['profile']['calibration']} "
+        f"({'cached' if res['profile']['reused_from_cache'] else 'measured'}; "
+        f"{res['profile']['seconds']:.0f} s when measured). imatrix: "
+        f"{res['imatrix_tokens']} held-out news tokens."
+        + (
+            f" Budgets below the smallest file the menu allows "
+            f"({res['smallest_file_bpw']:.3f} bits per weight: every tensor in its cheapest "
+            f"type) were not run: {res['budgets_below_smallest']}."
+            if res["budgets_below_smallest"]
+            else ""
+        )
+        + "\n"
+    )
+    v = [
+        {
+            "llama": x["llama"],
+            "llama_mb": x["llama_bytes"] / 1e6,
+            "llama_metric": x["llama_metric"],
+            "ours": x["ours"],
+            "ours_mb": x["ours_bytes"] / 1e6,
+            "ours_metric": x["ours_metric"],
+            "lower": x["lower"],
+            "imatrix_metric": x["imatrix_metric"],
+            "lower_than_imatrix": x["lower_than_imatrix"],
+        }
+        for x in res["verdicts"]
+    ]
+    vtab = markdown_table(
+        v,
+        [
+            ("llama", "llama.cpp file"),
+            ("llama_mb", "MB"),
+            ("llama_metric", mname),
+            ("ours", "allocator (same or smaller file)"),
+            ("ours_mb", "MB"),
+            ("ours_metric", mname),
+            ("lower", f"lower {mname}"),
+            ("imatrix_metric", f"{mname} with imatrix"),
+            ("lower_than_imatrix", "lower than imatrix"),
+        ],
+    )
+    return head + "\n" + markdown_table(rows, cols) + "\n\nTargets:\n\n" + vtab + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", choices=["smollm2", "minilm", "all"], default="all")
+    ap.add_argument("--windows", type=int, default=16, help="SmolLM2 evaluation windows")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--sentences", type=int, default=2000, help="MiniLM evaluation sentences")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-imatrix", action="store_true", help="skip the imatrix comparison")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument(
+        "--profile-cache",
+        type=Path,
+        default=None,
+        help="the engine's profile cache (default: the CLI's, ~/.cache/higgs/profiles)",
+    )
+    args = ap.parse_args(argv)
+    if args.profile_cache is None:
+        from higgs_cli.dynamic_cmds import default_profile_cache
+
+        args.profile_cache = default_profile_cache()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    models = ["smollm2", "minilm"] if args.model == "all" else [args.model]
+    for name in models:
+        with tempfile.TemporaryDirectory(prefix=f"gguf-bench-{name}-") as tmp:
+            res = run_model(name, args, Path(tmp))
+        res.update(
+            environment=environment(),
+            llama_cpp=llama_version(),
+            windows=args.windows,
+            context=args.context,
+            sentences=args.sentences,
+        )
+        md = render(res)
+        write_results(f"gguf_{name}", res, md, args.out_dir)
+        print(md, flush=True)
+        print(json.dumps(res["verdicts"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
