@@ -127,7 +127,8 @@ class BodyLimitMiddleware:
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        # Paths with their own limit (calibration uploads), exact match.
+        # Paths with their own limit (calibration uploads), exact match: Content-Length is
+        # checked here, the bytes received by the route itself (it streams the body).
         self.path_limits = dict(path_limits or {})
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
@@ -151,6 +152,11 @@ class BodyLimitMiddleware:
                 if declared > limit:
                     await self._too_large(scope, receive, send, str(declared))
                     return
+        if scope.get("path", "") in self.path_limits:
+            # A streamed upload: its route reads the body chunk by chunk and enforces the
+            # limit itself, so the body is never held here.
+            await self.app(scope, receive, send)
+            return
         body = bytearray()
         while True:
             message = await receive()

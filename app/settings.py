@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024, gt=0)
     # Calibration text uploads (POST /v1/calibrations): their own, larger body limit.
     calibration_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0, le=16 * 1024 * 1024)
+    # Storage quota of one API key's calibration uploads: how many it may keep and their total
+    # size (422 calibration_quota_exceeded above either); 0 = no limit.
+    calibration_max_per_key: int = Field(default=100, ge=0)
+    calibration_max_total_bytes_per_key: int = Field(default=256 * 1024 * 1024, ge=0)
+    # The worker's sweep deletes uploads older than this that no queued or running job uses;
+    # 0 = keep them forever.
+    calibration_retention_days: float = Field(default=30.0, ge=0)
     page_limit_max: int = Field(default=100, gt=0)
     events_poll_interval_s: float = Field(default=0.5, gt=0)
     # SSE streams end after this long even if the job is still running (clients reconnect).
