@@ -46,7 +46,7 @@ from app.errors import (
 )
 from app.jobs.routes import router as jobs_router
 from app.keys.service import KeyCache
-from app.limits import RateLimiter
+from app.limits import RateLimiter, StreamSlots, rate_limiter
 from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.readiness import Readiness
@@ -376,7 +376,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         timeout_s=settings.readyz_timeout_s,
         cache_s=settings.readyz_cache_s,
     )
-    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.rate_limiter = rate_limiter(settings)
+    app.state.auth_failures = RateLimiter(
+        settings.auth_failures_per_s, settings.auth_failures_burst
+    )
+    app.state.event_streams = StreamSlots(settings.max_event_streams_per_key)
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry
 

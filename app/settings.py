@@ -69,10 +69,19 @@ class Settings(BaseSettings):
     events_max_duration_s: float = Field(default=3600.0, gt=0)
     # API keys are checked against an in-process cache: a revocation takes effect within this.
     auth_cache_ttl_s: float = Field(default=1.0, ge=0)
-    # Per API key and API process: requests/s on average and the burst above it (429 with
-    # Retry-After beyond); rate_limit_per_s=0 switches the limit off.
+    # Per API key: requests/s on average and the burst above it (429 with Retry-After beyond);
+    # rate_limit_per_s=0 switches the limit off. With a Redis broker every API process draws
+    # from one bucket per key in Redis; otherwise (the embedded shape) each process has its own.
     rate_limit_per_s: float = Field(default=50.0, ge=0)
     rate_limit_burst: int = Field(default=200, ge=1)
+    # Failed authentications (unknown or revoked keys not yet cached) per client address and
+    # API process: on average and the burst above it; beyond, 429 without a database lookup.
+    # 0 switches the limit off.
+    auth_failures_per_s: float = Field(default=1.0, ge=0)
+    auth_failures_burst: int = Field(default=20, ge=1)
+    # Event streams (GET /v1/jobs/{id}/events) one key may have open at once per API process
+    # (429 with Retry-After beyond); 0 = no cap.
+    max_event_streams_per_key: int = Field(default=10, ge=0)
     # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
     # quota.
     max_active_jobs_per_key: int = Field(default=20, ge=0)
