@@ -364,6 +364,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "Errors are RFC 9457 problem+json.",
         lifespan=lifespan,
         generate_unique_id_function=operation_name,
+        # /docs is served by app.ui from vendored files (FastAPI's pages load theirs from a
+        # CDN); there is no /redoc.
+        docs_url=None,
+        redoc_url=None,
     )
     install_openapi(app, settings)
     app.state.settings = settings
