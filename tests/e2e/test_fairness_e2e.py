@@ -94,3 +94,32 @@ def test_rate_limit_holds_across_two_api_processes(stack_factory: Any) -> None:
     assert burst <= allowed <= most, (
         f"{allowed} requests allowed in {took:.1f} s, at most {most:.0f}"
     )
+
+
+def _healthz_count(base: str, metrics_key: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {metrics_key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    total = 0.0
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if (
+                sample.name == "higgs_http_request_duration_seconds_count"
+                and sample.labels.get("route") == "/healthz"
+            ):
+                total += sample.value
+    return total
+
+
+def test_metrics_sum_every_api_process(stack_factory: Any, tmp_path: Any) -> None:
+    stack: Stack = stack_factory("redis-postgres")
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    _, urls = two_apis(stack, HIGGS_METRICS_KEY="mk", PROMETHEUS_MULTIPROC_DIR=str(folder))
+    for base, n in zip(urls, (7, 5), strict=True):
+        for _ in range(n):
+            assert httpx.get(f"{base}/healthz", timeout=30).status_code == 200
+    # Whichever process answers the scrape, it reports the requests both of them served.
+    assert [_healthz_count(u, "mk") for u in urls] == [12.0, 12.0]
+    assert len(list(folder.glob("histogram_*.db"))) == 2
