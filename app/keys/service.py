@@ -177,6 +177,7 @@ def lock_key(session: Session, key_id: str) -> None:
     (SELECT ... FOR UPDATE) until the transaction ends; on SQLite, take the database's write
     lock now (a no-op write), so that a concurrent writer's count cannot be stale."""
     if session.get_bind().dialect.name == "sqlite":
-        session.execute(update(ApiKey).where(ApiKey.id == key_id).values(id=ApiKey.id))
+        # A column no foreign key points at: the write changes nothing and checks nothing.
+        session.execute(update(ApiKey).where(ApiKey.id == key_id).values(name=ApiKey.name))
     else:
         session.execute(select(ApiKey.id).where(ApiKey.id == key_id).with_for_update())
