@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,6 +33,7 @@ from app.db.session import (
     ping_when_idle,
     session_factory,
 )
+from app.deadline import RequestDeadlineMiddleware
 from app.errors import (
     PROBLEM_JSON,
     AppError,
@@ -354,6 +356,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         freeze_startup_objects()
+        # The process's threadpool (run_in_threadpool, sync routes and dependencies).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threadpool_size
         yield
         engine.dispose()
 
@@ -403,5 +407,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         path_limits={"/v1/calibrations": settings.calibration_max_bytes},
     )
     app.add_middleware(HeadOptionsMiddleware)
+    # Inside the latency histogram, which then records the 503 of a request past its deadline.
+    app.add_middleware(
+        RequestDeadlineMiddleware,
+        timeout_s=settings.request_timeout_s,
+        retry_after_s=settings.unavailable_retry_after_s,
+        warn=OutageLog(log).warn,
+    )
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

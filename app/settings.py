@@ -107,6 +107,15 @@ class Settings(BaseSettings):
     # dependency that has not answered by then is reported unavailable (503 + Retry-After).
     readyz_timeout_s: float = Field(default=2.0, gt=0)
     readyz_cache_s: float = Field(default=1.0, ge=0)
+    # Every request is answered within request_timeout_s of server time (time spent receiving
+    # its body excluded): a response not started by then is a 503 dependency_timeout with
+    # Retry-After (app.deadline); a started stream or download is never cut. 0 = no deadline.
+    request_timeout_s: float = Field(default=10.0, ge=0)
+    # Threads for the API's blocking work (anyio's thread limiter; anyio's default is 40). A
+    # request stuck in a frozen database holds one past its deadline; keep this above
+    # db_pool_size + db_max_overflow so that requests waiting for a connection still get a
+    # thread, and time out on db_pool_timeout_s or the request deadline.
+    threadpool_size: int = Field(default=40, ge=1)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True
