@@ -79,18 +79,24 @@ class RequestDeadlineMiddleware:
         started: asyncio.Future[None] = loop.create_future()
         late = False
         t0 = time.monotonic()
-        # Time spent waiting for the client's body, which the deadline does not count.
+        # Time spent waiting for the client (its body), which the deadline does not count. The
+        # app may wait in more than one receive() at once (a disconnect listener).
         waiting_since: float | None = None
+        waiting = 0
         waited = 0.0
 
         async def timed_receive() -> Message:
-            nonlocal waiting_since, waited
-            waiting_since = time.monotonic()
+            nonlocal waiting_since, waiting, waited
+            if waiting == 0:
+                waiting_since = time.monotonic()
+            waiting += 1
             try:
                 return await receive()
             finally:
-                waited += time.monotonic() - waiting_since
-                waiting_since = None
+                waiting -= 1
+                if waiting == 0 and waiting_since is not None:
+                    waited += time.monotonic() - waiting_since
+                    waiting_since = None
 
         async def guarded_send(message: Message) -> None:
             if late:
