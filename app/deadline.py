@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any
 
+import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import PROBLEM_JSON, ServiceUnavailableError
@@ -126,9 +127,11 @@ class RequestDeadlineMiddleware:
         late = True
         _orphans.add(task)
         task.add_done_callback(_finished_late)
+        threads = anyio.to_thread.current_default_thread_limiter()
         self.warn(
             f"no response within the {self.timeout_s:g} s request deadline on "
-            f"{scope['method']} {scope.get('path', '')}: answering 503 dependency_timeout"
+            f"{scope['method']} {scope.get('path', '')}: answering 503 dependency_timeout "
+            f"({threads.borrowed_tokens} of {threads.total_tokens:g} threads busy)"
         )
         err = DependencyTimeoutError(
             f"the request was not answered within {self.timeout_s:g} s (a dependency did not "

@@ -257,6 +257,9 @@ def test_a_frozen_postgres_cluster_costs_a_request_its_deadline(
         db_pool_size=4,
         request_timeout_s=3,
         auth_cache_ttl_s=0,
+        # Two threads: the third request below finds both stuck and waits for one, and is
+        # answered at its deadline all the same.
+        threadpool_size=2,
     )
     engine = create_db_engine(postgres_session_db)
     try:
@@ -308,3 +311,7 @@ def test_a_frozen_postgres_cluster_costs_a_request_its_deadline(
         assert r.status_code == 202, r.text
     tracebacks = [rec.getMessage() for rec in caplog.records if rec.exc_info]
     assert not tracebacks, tracebacks
+    warnings = [
+        rec.getMessage() for rec in caplog.records if "request deadline" in rec.getMessage()
+    ]
+    assert warnings and "of 2 threads busy" in warnings[0], warnings
