@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from app.db.session import Reads
-from app.errors import UnauthorizedError
+from app.errors import TooManyRequestsError, UnauthorizedError
 from app.keys.service import AuthKey, KeyCache
 from app.limits import RateLimiter
 from app.settings import Settings
@@ -63,11 +63,31 @@ async def current_key(
     cache: KeyCache = request.app.state.key_cache
     key = cache.cached(token)
     if key is None:
-        key = await run_in_threadpool(cache.load, token)
+        key = await load_key(request, cache, token)
     limiter: RateLimiter = request.app.state.rate_limiter
-    limiter.check(key.id)
+    await limiter.acheck(key.id)
     request.state.api_token = token
     return key
+
+
+async def load_key(request: Request, cache: KeyCache, token: str) -> AuthKey:
+    """A key not in the cache, looked up in the database unless the client's address has used
+    up its failed authentications (429 then, without a lookup: random keys cost nothing)."""
+    failures: RateLimiter = request.app.state.auth_failures
+    address = request.client.host if request.client else "-"
+    wait = failures.empty(address)
+    if wait is not None:
+        raise TooManyRequestsError(
+            f"too many failed authentications from this address (HIGGS_AUTH_FAILURES_PER_S = "
+            f"{failures.rate:g}/s, bursts of {failures.burst}); retry in {wait} s",
+            retry_after=wait,
+        )
+    try:
+        return await run_in_threadpool(cache.load, token)
+    except UnauthorizedError:
+        if failures.enabled:
+            failures.take(address)
+        raise
 
 
 CurrentKey = Annotated[AuthKey, Depends(current_key)]

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,6 +33,7 @@ from app.db.session import (
     ping_when_idle,
     session_factory,
 )
+from app.deadline import RequestDeadlineMiddleware
 from app.errors import (
     PROBLEM_JSON,
     AppError,
@@ -46,7 +48,7 @@ from app.errors import (
 )
 from app.jobs.routes import router as jobs_router
 from app.keys.service import KeyCache
-from app.limits import RateLimiter
+from app.limits import RateLimiter, StreamSlots, rate_limiter
 from app.openapi import install_openapi, operation_name
 from app.ops.metrics import LatencyMiddleware, build_registry
 from app.ops.readiness import Readiness
@@ -127,7 +129,8 @@ class BodyLimitMiddleware:
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        # Paths with their own limit (calibration uploads), exact match.
+        # Paths with their own limit (calibration uploads), exact match: Content-Length is
+        # checked here, the bytes received by the route itself (it streams the body).
         self.path_limits = dict(path_limits or {})
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
@@ -151,6 +154,11 @@ class BodyLimitMiddleware:
                 if declared > limit:
                     await self._too_large(scope, receive, send, str(declared))
                     return
+        if scope.get("path", "") in self.path_limits:
+            # A streamed upload: its route reads the body chunk by chunk and enforces the
+            # limit itself, so the body is never held here.
+            await self.app(scope, receive, send)
+            return
         body = bytearray()
         while True:
             message = await receive()
@@ -348,6 +356,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         freeze_startup_objects()
+        # The process's threadpool (run_in_threadpool, sync routes and dependencies).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threadpool_size
         yield
         engine.dispose()
 
@@ -358,6 +368,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "Errors are RFC 9457 problem+json.",
         lifespan=lifespan,
         generate_unique_id_function=operation_name,
+        # /docs is served by app.ui from vendored files (FastAPI's pages load theirs from a
+        # CDN); there is no /redoc.
+        docs_url=None,
+        redoc_url=None,
     )
     install_openapi(app, settings)
     app.state.settings = settings
@@ -370,7 +384,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         timeout_s=settings.readyz_timeout_s,
         cache_s=settings.readyz_cache_s,
     )
-    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.rate_limiter = rate_limiter(settings)
+    app.state.auth_failures = RateLimiter(
+        settings.auth_failures_per_s, settings.auth_failures_burst
+    )
+    app.state.event_streams = StreamSlots(settings.max_event_streams_per_key)
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry
 
@@ -389,5 +407,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         path_limits={"/v1/calibrations": settings.calibration_max_bytes},
     )
     app.add_middleware(HeadOptionsMiddleware)
+    # Inside the latency histogram, which then records the 503 of a request past its deadline.
+    app.add_middleware(
+        RequestDeadlineMiddleware,
+        timeout_s=settings.request_timeout_s,
+        retry_after_s=settings.unavailable_retry_after_s,
+        warn=OutageLog(log).warn,
+    )
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

@@ -56,16 +56,32 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024, gt=0)
     # Calibration text uploads (POST /v1/calibrations): their own, larger body limit.
     calibration_max_bytes: int = Field(default=8 * 1024 * 1024, gt=0, le=16 * 1024 * 1024)
+    # Storage quota of one API key's calibration uploads: how many it may keep and their total
+    # size (422 calibration_quota_exceeded above either); 0 = no limit.
+    calibration_max_per_key: int = Field(default=100, ge=0)
+    calibration_max_total_bytes_per_key: int = Field(default=256 * 1024 * 1024, ge=0)
+    # The worker's sweep deletes uploads older than this that no queued or running job uses;
+    # 0 = keep them forever.
+    calibration_retention_days: float = Field(default=30.0, ge=0)
     page_limit_max: int = Field(default=100, gt=0)
     events_poll_interval_s: float = Field(default=0.5, gt=0)
     # SSE streams end after this long even if the job is still running (clients reconnect).
     events_max_duration_s: float = Field(default=3600.0, gt=0)
     # API keys are checked against an in-process cache: a revocation takes effect within this.
     auth_cache_ttl_s: float = Field(default=1.0, ge=0)
-    # Per API key and API process: requests/s on average and the burst above it (429 with
-    # Retry-After beyond); rate_limit_per_s=0 switches the limit off.
+    # Per API key: requests/s on average and the burst above it (429 with Retry-After beyond);
+    # rate_limit_per_s=0 switches the limit off. With a Redis broker every API process draws
+    # from one bucket per key in Redis; otherwise (the embedded shape) each process has its own.
     rate_limit_per_s: float = Field(default=50.0, ge=0)
     rate_limit_burst: int = Field(default=200, ge=1)
+    # Failed authentications (unknown or revoked keys not yet cached) per client address and
+    # API process: on average and the burst above it; beyond, 429 without a database lookup.
+    # 0 switches the limit off.
+    auth_failures_per_s: float = Field(default=1.0, ge=0)
+    auth_failures_burst: int = Field(default=20, ge=1)
+    # Event streams (GET /v1/jobs/{id}/events) one key may have open at once per API process
+    # (429 with Retry-After beyond); 0 = no cap.
+    max_event_streams_per_key: int = Field(default=10, ge=0)
     # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
     # quota.
     max_active_jobs_per_key: int = Field(default=20, ge=0)
@@ -91,6 +107,15 @@ class Settings(BaseSettings):
     # dependency that has not answered by then is reported unavailable (503 + Retry-After).
     readyz_timeout_s: float = Field(default=2.0, gt=0)
     readyz_cache_s: float = Field(default=1.0, ge=0)
+    # Every request is answered within request_timeout_s of server time (time spent receiving
+    # its body excluded): a response not started by then is a 503 dependency_timeout with
+    # Retry-After (app.deadline); a started stream or download is never cut. 0 = no deadline.
+    request_timeout_s: float = Field(default=10.0, ge=0)
+    # Threads for the API's blocking work (anyio's thread limiter; anyio's default is 40). A
+    # request stuck in a frozen database holds one past its deadline; keep this above
+    # db_pool_size + db_max_overflow so that requests waiting for a connection still get a
+    # thread, and time out on db_pool_timeout_s or the request deadline.
+    threadpool_size: int = Field(default=40, ge=1)
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True

@@ -24,16 +24,23 @@ Everything runs as real processes (uvicorn, Celery worker) on this machine; the 
 it with the server. Writes benchmarks/results/service.json + .md (--api-only: part 1 alone, to
 results/service_api.json + .md; --stem names other files for a trial run).
 
+--noisy: only the noisy-neighbour rows, to results/service_noisy.json + .md: one key holds 40
+event-stream requests and 10 slow 8 MiB downloads open while another key polls GET job; the
+second key's p50/p99 beside its solo figures (goal: p99 within 2x of solo). SQLite, and
+PostgreSQL + Redis (--redis-url or HIGGS_TEST_REDIS_URL) when a PostgreSQL URL is given.
+
 Usage: python benchmarks/service_bench.py [--duration 4] [--jobs 5] [--postgres-url URL]
                                           [--skip-model] [--api-only] [--generator auto]
                                           [--client-cpus 1] [--server-cpus 0]
                                           [--clients 10,50,100,200] [--no-sqlite] [--stem S]
+                                          [--noisy] [--redis-url URL]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -361,6 +368,174 @@ def bench_api(
     }
 
 
+# ---------------------------------------------------------------- 1b. noisy neighbour
+
+NOISY_FILE_BYTES = 8 * 1024 * 1024
+
+
+class SlowReader:
+    """A raw HTTP/1.1 GET read a few bytes at a time with a tiny receive buffer (like
+    `curl --limit-rate`): the server really waits on it."""
+
+    def __init__(self, base: str, path: str, key: str) -> None:
+        import socket
+
+        host, port = base.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(30)
+        self.sock.connect((host, int(port)))
+        self.sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(1024)
+            if not chunk:
+                break
+            head += chunk
+        self.status = int(head.split(b" ", 2)[1]) if head else 0
+        self.received = len(head)
+        self.sock.settimeout(0.02)
+
+    def nibble(self) -> None:
+        with contextlib.suppress(OSError):
+            self.received += len(self.sock.recv(512))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def bench_noisy(
+    backend: str,
+    db_url: str | None,
+    broker_url: str | None,
+    duration: float,
+    clients: int = 4,
+    streams: int = 40,
+    downloads: int = 10,
+) -> dict[str, Any]:
+    """One key ("quiet") polls GET job with `clients` loops, alone and then while another key
+    ("noisy") holds `streams` event-stream requests and `downloads` slow 8 MiB downloads open,
+    against uvicorn with 2 workers, no request rate limit and the default stream cap. Reports
+    the quiet key's p50/p99 and throughput both ways (goal: p99 with the neighbour within 2x
+    of solo)."""
+    import threading
+
+    from app.artifacts.manifest import artifact_row
+    from app.db.session import create_db_engine, session_factory
+    from app.jobs import state
+    from app.keys.service import find_key
+
+    root = Path(tempfile.mkdtemp(prefix=f"higgs-noisy-{backend}-"))
+    (root / "models" / "tiny").mkdir(parents=True)
+    # The quiet key polls flat out: no request rate limit (it would answer most of its polls
+    # 429 and leave only the allowed ones to time). The stream cap stays at its default.
+    env = {"HIGGS_MODELS_DIR": str(root / "models"), "HIGGS_RATE_LIMIT_PER_S": "0"}
+    if db_url:
+        env["HIGGS_DATABASE_URL"] = db_url
+    if broker_url:
+        env["HIGGS_BROKER_URL"] = broker_url
+    stack = make_stack(root, env)
+    readers: list[SlowReader] = []
+    stop = threading.Event()
+    try:
+        stack.migrate()
+        stack.start_api(workers=2, timeout=90)
+        quiet, noisy = stack.create_key("quiet"), stack.create_key("noisy")
+        ids: dict[str, list[str]] = {}
+        for name, key, n in (("quiet", quiet, 1), ("noisy", noisy, 2)):
+            with stack.client(key) as c:
+                ids[name] = [c.post("/v1/jobs", json=SUBMIT_BODY).json()["id"] for _ in range(n)]
+        done, running = ids["noisy"]
+        store = root / "store" / done / "native"
+        store.mkdir(parents=True)
+        (store / "model.safetensors").write_bytes(b"\x01" * NOISY_FILE_BYTES)
+        engine = create_db_engine(db_url or f"sqlite:///{root / 'data' / 'higgs.db'}")
+        try:
+            with session_factory(engine)() as s:
+                find_key(s, noisy)  # the key exists in this database
+                state.claim(s, done, "bench")
+                state.succeed(s, done, {"layers": []}, [], [artifact_row("native", store)])
+                state.claim(s, running, "bench")
+        finally:
+            engine.dispose()
+        path = f"/v1/jobs/{ids['quiet'][0]}"
+        solo = load("python", stack.url, quiet, "GET", path, clients, duration, None)
+        readers = [
+            SlowReader(stack.url, f"/v1/jobs/{running}/events", noisy) for _ in range(streams)
+        ]
+        file_path = f"/v1/jobs/{done}/artifacts/native/files/model.safetensors"
+        readers += [SlowReader(stack.url, file_path, noisy) for _ in range(downloads)]
+        statuses: dict[str, int] = {}
+        for r in readers:
+            statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+
+        def nibble_all() -> None:
+            while not stop.is_set():
+                for r in readers:
+                    r.nibble()
+                time.sleep(0.05)
+
+        nibbler = threading.Thread(target=nibble_all, daemon=True)
+        nibbler.start()
+        busy = load("python", stack.url, quiet, "GET", path, clients, duration, None)
+        stop.set()
+        nibbler.join(5)
+    finally:
+        stop.set()
+        for r in readers:
+            r.close()
+        stack.close()
+    ratio = round(busy["p99_ms"] / solo["p99_ms"], 2) if solo["p99_ms"] else None
+    out = {
+        "backend": backend,
+        "uvicorn_workers": 2,
+        "quiet_clients": clients,
+        "noisy_stream_requests": streams,
+        "noisy_slow_downloads": downloads,
+        "noisy_statuses": statuses,
+        "solo": solo,
+        "with_neighbour": busy,
+        "p99_ratio": ratio,
+        "goal_p99_within_2x": ratio is not None and ratio <= 2.0,
+    }
+    print(
+        f"noisy neighbour {backend}: quiet p50 {solo['p50_ms']} -> {busy['p50_ms']} ms, "
+        f"p99 {solo['p99_ms']} -> {busy['p99_ms']} ms ({ratio}x); noisy statuses {statuses}",
+        flush=True,
+    )
+    return out
+
+
+def _noisy_md(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Noisy neighbour: one key's open streams and slow downloads vs another key's polling",
+        "",
+        'Key "noisy" holds event-stream requests and slow 8 MiB downloads open (read a few '
+        'hundred bytes every 50 ms); key "quiet" polls GET job flat out. uvicorn with 2 '
+        "workers, no request rate limit (HIGGS_RATE_LIMIT_PER_S = 0), the default stream cap "
+        "(HIGGS_MAX_EVENT_STREAMS_PER_KEY = 10 per process).",
+        "",
+        "| backend | noisy: streams / downloads (statuses) | quiet clients | solo req/s, p50 / "
+        "p99 ms | with neighbour req/s, p50 / p99 ms | p99 ratio | goal (<= 2x) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['backend']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        s, b = r["solo"], r["with_neighbour"]
+        lines.append(
+            f"| {r['backend']} | {r['noisy_stream_requests']} / {r['noisy_slow_downloads']} "
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(r['noisy_statuses'].items()))}) "
+            f"| {r['quiet_clients']} | {s['throughput_rps']}, {s['p50_ms']} / {s['p99_ms']} "
+            f"| {b['throughput_rps']}, {b['p50_ms']} / {b['p99_ms']} | {r['p99_ratio']}x "
+            f"| {'met' if r['goal_p99_within_2x'] else 'NOT met'} |"
+        )
+    return lines
+
+
 def verdict(api: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets on PostgreSQL: GET job >= 1,000 req/s with p99 < 100 ms at 50 clients; no
     collapse at 200 clients (throughput at 200 at least half of that at 50, no errors)."""
@@ -567,7 +742,10 @@ def write(results: dict[str, Any], stem: str) -> None:
         "(other work shares this machine: every figure is capped by it).",
         "",
     ]
-    lines += _api_md(results)
+    if results.get("api"):
+        lines += _api_md(results)
+    if results.get("noisy"):
+        lines += [""] + _noisy_md(results["noisy"])
     q = results.get("jobs", {}).get("queue_latency")
     if q:
         s = q["submit_to_start_s"]
@@ -640,6 +818,16 @@ def main() -> int:
     ap.add_argument(
         "--stem", help="results file name (default: service, or service_api with --api-only)"
     )
+    ap.add_argument(
+        "--noisy",
+        action="store_true",
+        help="only the noisy-neighbour rows (written to results/service_noisy.*)",
+    )
+    ap.add_argument(
+        "--redis-url",
+        default=os.environ.get("HIGGS_TEST_REDIS_URL"),
+        help="the broker of the PostgreSQL noisy-neighbour row (the compose shape)",
+    )
     args = ap.parse_args()
     generator = args.generator
     if generator == "auto":
@@ -667,6 +855,21 @@ def main() -> int:
         **pins,
         "api": [],
     }
+    if args.noisy:
+        results["noisy"] = []
+        if args.sqlite:
+            results["noisy"].append(bench_noisy("sqlite", None, None, args.duration))
+        if args.postgres_url:
+            url, drop = scratch_postgres(args.postgres_url, "higgs_bench")
+            try:
+                results["noisy"].append(
+                    bench_noisy("postgresql", url, args.redis_url, args.duration)
+                )
+            finally:
+                drop()
+        results["load_average_end"] = round(os.getloadavg()[0], 2)
+        write(results, args.stem or "service_noisy")
+        return 0
     if args.sqlite:
         results["api"].append(bench_api("sqlite", None, args.duration, **pins))
     if args.postgres_url:

@@ -14,9 +14,11 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -179,6 +181,25 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     return settings, env
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def metrics_dir(env: dict[str, str]) -> str | None:
+    """Set PROMETHEUS_MULTIPROC_DIR for the API processes so that /metrics sums them all: a
+    fresh temporary folder (returned: the caller removes it), or the folder the environment
+    names, emptied of an earlier run's files (None returned)."""
+    given = env.get(MULTIPROC_ENV)
+    if given:
+        folder = Path(given)
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("*.db"):
+            stale.unlink(missing_ok=True)
+        return None
+    made = tempfile.mkdtemp(prefix="higgs-metrics-")
+    env[MULTIPROC_ENV] = made
+    return made
+
+
 # What each part of `higgs serve` imports, by the extra that installs it (pyproject.toml). The
 # worker runs the engine too; the API never does.
 API_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic_settings", "celery")
@@ -219,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--port {args.port} must be in 1..65535", 2)
     check_installed(api=not args.no_api, worker=not args.no_worker)
     settings, env = _prepare(args)
+    made = metrics_dir(env) if not args.no_api else None
     children: list[Child] = []
     stopping = False
 
@@ -259,6 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         print("higgs serve: stopping", file=sys.stderr, flush=True)
         stop_children(children, args.grace)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
     return rc

@@ -12,6 +12,8 @@
    sent again once the artifacts volume has more free space than after their attempt, or
    after settings.storage_retry_s. Jobs put back because the artifact store was unreachable
    (error storage_unavailable) are sent again once it answers.
+5. Calibration uploads older than settings.calibration_retention_days that no queued or
+   running job uses are deleted (app.calibrations.service.delete_expired).
 
 Every step is a compare-and-set in app.jobs.state, so several workers may sweep at once.
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.artifacts.store import store_from_settings
+from app.calibrations.service import delete_expired
 from app.db.base import utcnow
 from app.jobs import state
 from app.settings import Settings
@@ -55,6 +58,8 @@ class SweepResult:
     # Sent again: unclaimed past queued_resend_s (step 3), waiting for storage (step 4).
     resent: list[str] = field(default_factory=list)
     storage: list[str] = field(default_factory=list)
+    # Calibration uploads deleted past their retention (step 5).
+    calibrations: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, list[str]]:
         return {
@@ -65,6 +70,7 @@ class SweepResult:
             "send_failed": self.send_failed,
             "resent": self.resent,
             "storage": self.storage,
+            "calibrations": self.calibrations,
         }
 
 
@@ -114,7 +120,19 @@ def sweep(
             out.sent.append(job_id)
         else:
             out.send_failed.append(job_id)
-    if out.requeued or out.failed or out.cancelled or out.sent or out.send_failed:
+    if settings.calibration_retention_days > 0:
+        with sessions() as s:
+            out.calibrations = delete_expired(
+                s, now - timedelta(days=settings.calibration_retention_days)
+            )
+    if (
+        out.requeued
+        or out.failed
+        or out.cancelled
+        or out.sent
+        or out.send_failed
+        or out.calibrations
+    ):
         log.info("sweep: %s", out.as_dict())
     return out
 

@@ -182,7 +182,7 @@ async def _archive_key(
 
     key = await run_in_threadpool(load)
     limiter: RateLimiter = request.app.state.rate_limiter
-    limiter.check(key.id)
+    await limiter.acheck(key.id)
     return key
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from app.calibrations import service
 from app.deps import CurrentKey, SessionsDep, SettingsDep
@@ -14,7 +15,7 @@ from app.params import CalibrationId
 router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"])
 
 PROBLEM = {"content": {PROBLEM_JSON: {}}, "description": "problem+json (RFC 9457)"}
-# The body is read raw (request.body()), so FastAPI does not document it: say what check_text
+# The body is read raw (request.stream()), so FastAPI does not document it: say what check_text
 # accepts. No NUL byte, and at least one letter or digit (an all-whitespace text is empty).
 UPLOAD_BODY = {
     "required": True,
@@ -33,7 +34,7 @@ UPLOAD_BODY = {
 @router.post(
     "",
     status_code=201,
-    responses={401: PROBLEM, 413: PROBLEM, 422: PROBLEM},
+    responses={401: PROBLEM, 413: PROBLEM, 422: PROBLEM, 429: PROBLEM},
     summary="Upload calibration text (the body, UTF-8) for calibrated HIGGS jobs",
     openapi_extra={"requestBody": UPLOAD_BODY},
 )
@@ -44,10 +45,18 @@ async def upload(
     settings: SettingsDep,
     key: CurrentKey,
 ) -> dict[str, Any]:
-    body = await request.body()
-    with sessions() as session:
-        row = service.create(session, key, body, settings.calibration_max_bytes)
-        out = service.view(row)
+    # The body is spooled as it arrives (413 once past the limit) and the database work runs
+    # in the threadpool: a slow client or a slow database never holds the event loop.
+    received = await service.receive(request.stream(), settings.calibration_max_bytes)
+
+    def store() -> dict[str, Any]:
+        with sessions() as session:
+            return service.view(service.create(session, key, received, settings))
+
+    try:
+        out = await run_in_threadpool(store)
+    finally:
+        received.file.close()
     response.headers["Location"] = f"/v1/calibrations/{out['id']}"
     return out
 

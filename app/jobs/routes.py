@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from app.jobs import repository, service, state
 from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
 from app.keys.service import KeyCache
+from app.limits import StreamSlots
 from app.openapi import AUTHENTICATED, problems
 from app.params import JobId
 from app.queue import enqueue_job
@@ -228,6 +230,8 @@ def _sse(event: str, data: dict[str, Any], event_id: int) -> bytes:
         },
     },
     summary="Server-Sent Events: `state` on status changes, `progress` on stage/progress changes",
+    description="429 with Retry-After when the key already has HIGGS_MAX_EVENT_STREAMS_PER_KEY "
+    "streams open on this API process.",
 )
 def stream_job_events(
     job_id: JobId, request: Request, sessions: SessionsDep, settings: SettingsDep, key: CurrentKey
@@ -239,6 +243,8 @@ def stream_job_events(
     key_id = key.id
     token: str = request.state.api_token
     keys: KeyCache = request.app.state.key_cache
+    slots: StreamSlots = request.app.state.event_streams
+    slot = slots.open(key_id)  # 429 past HIGGS_MAX_EVENT_STREAMS_PER_KEY
 
     def load() -> dict[str, Any] | None | bool:
         """The job's snapshot (one short session); None once the key is revoked or the job
@@ -256,12 +262,21 @@ def stream_job_events(
     async def stream() -> AsyncIterator[bytes]:
         # Polls the job row: the database is the source of truth and works across processes.
         # No connection is held between polls (nor while a chunk is being sent).
+        try:
+            async for chunk in events():
+                yield chunk
+        finally:
+            slot.close()
+
+    async def events() -> AsyncIterator[bytes]:
         last: dict[str, Any] | None = None
         event_id = 0
         deadline = time.monotonic() + settings.events_max_duration_s
         last_sent = time.monotonic()
         yield b"retry: 2000\n\n"
         while time.monotonic() < deadline:
+            if await request.is_disconnected():  # the client left: stop polling for it
+                return
             snap = await run_in_threadpool(load)
             if snap is None:
                 return
@@ -284,8 +299,12 @@ def stream_job_events(
                 last_sent = time.monotonic()
             await asyncio.sleep(settings.events_poll_interval_s)
 
+    body = stream()
+    # A stream that never starts (the client left first) never runs its finally block: the
+    # slot is closed when the generator is collected then.
+    weakref.finalize(body, slot.close)
     return StreamingResponse(
-        stream(),
+        body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -30,7 +30,7 @@ from app.jobs.job_config import JobConfig
 from app.jobs.local_models import read_architecture
 from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
 from app.jobs.schemas import JobCreate, JobOut, Options
-from app.keys.service import AuthKey
+from app.keys.service import AuthKey, lock_key
 from app.params import has_control_char
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim
 from app.settings import Settings
@@ -273,6 +273,7 @@ def create_job(
         if existing is not None:
             return _replay(existing, spec), False
     if max_active > 0:
+        lock_key(session, key.id)  # the count and the insert below, one key at a time
         active = repository.count_active(session, key.id)
         if active >= max_active:
             raise QuotaExceededError(

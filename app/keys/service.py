@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.base import utcnow
@@ -170,3 +170,14 @@ class KeyCache:
     def check(self, key: str) -> AuthKey:
         """cached() or load(): the blocking form, for code already off the event loop."""
         return self.cached(key) or self.load(key)
+
+
+def lock_key(session: Session, key_id: str) -> None:
+    """Serialise the check-then-insert of one key's quotas: on PostgreSQL, lock the key's row
+    (SELECT ... FOR UPDATE) until the transaction ends; on SQLite, take the database's write
+    lock now (a no-op write), so that a concurrent writer's count cannot be stale."""
+    if session.get_bind().dialect.name == "sqlite":
+        # A column no foreign key points at: the write changes nothing and checks nothing.
+        session.execute(update(ApiKey).where(ApiKey.id == key_id).values(name=ApiKey.name))
+    else:
+        session.execute(select(ApiKey.id).where(ApiKey.id == key_id).with_for_update())

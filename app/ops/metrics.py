@@ -1,14 +1,21 @@
 """Prometheus metrics: request latency (middleware) plus job figures read from the database
-at scrape time, so every API process reports the same, cross-process truth."""
+at scrape time, so every API process reports the same, cross-process truth.
+
+With several API processes (uvicorn --workers, several containers on one volume) set
+PROMETHEUS_MULTIPROC_DIR to an empty folder shared by them before they start (`higgs serve`
+does; the compose file mounts a tmpfs): prometheus_client's multiprocess mode then keeps each
+process's latency histogram in files there, and a scrape of any process sums them all.
+"""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
@@ -63,18 +70,33 @@ class JobCollector(Collector):
         yield q
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> str | None:
+    """The folder of prometheus_client's multiprocess mode, None when it is off. It must be
+    set before prometheus_client is first imported (the process's environment at start)."""
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
 def build_registry(
     sessions: sessionmaker[Session], settings: Settings
 ) -> tuple[CollectorRegistry, Histogram]:
-    """A registry per app (not the global one), so several apps can live in one process."""
+    """The registry a scrape reads, and the latency histogram. A registry per app (not the
+    global one), so several apps can live in one process. In multiprocess mode the histogram
+    belongs to no registry: its values go to the shared folder, and the scrape registry reads
+    every process's files from there."""
     registry = CollectorRegistry()
+    shared = multiprocess_dir()
     latency = Histogram(
         "higgs_http_request_duration_seconds",
         "HTTP request latency by route template",
         ["method", "route", "status"],
         buckets=LATENCY_BUCKETS,
-        registry=registry,
+        registry=None if shared else registry,
     )
+    if shared:
+        multiprocess.MultiProcessCollector(registry, path=shared)
     registry.register(JobCollector(sessions, settings))
     return registry, latency
 

@@ -1,5 +1,8 @@
 """The web console at /ui: static HTML, CSS and JavaScript shipped in this package (no build
-step, nothing fetched from elsewhere at run time). It talks to the public REST API only."""
+step, nothing fetched from elsewhere at run time). It talks to the public REST API only.
+
+GET /docs is Swagger UI on /openapi.json, from files vendored in static/swagger/ (see its
+README.md) and under the same Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -36,6 +39,13 @@ def ui_redirect() -> RedirectResponse:
 @router.get("/ui/")
 def ui_index() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers=SECURITY_HEADERS)
+
+
+@router.get("/docs")
+def api_docs() -> FileResponse:
+    return FileResponse(
+        STATIC / "swagger" / "docs.html", media_type="text/html", headers=SECURITY_HEADERS
+    )
 
 
 class _Headers:

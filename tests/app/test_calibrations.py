@@ -4,12 +4,15 @@ migrated SQLite and PostgreSQL databases."""
 from __future__ import annotations
 
 import hashlib
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.db.base import utcnow
 from app.db.models import Calibration, Job
 from app.keys.service import create_key
 from app.main import create_app
@@ -165,3 +168,96 @@ def test_default_tokens_agree_with_the_engine() -> None:
     from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS as ENGINE_DEFAULT
 
     assert APP_DEFAULT == ENGINE_DEFAULT
+
+
+def test_storage_quota_per_key_is_422_naming_the_limit(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    by_count = settings.model_copy(update={"calibration_max_per_key": 2})
+    with TestClient(create_app(by_count)) as client, sessions() as s:
+        _, alice = create_key(s, "alice")
+        _, bob = create_key(s, "bob")
+        a, b = ({"Authorization": f"Bearer {k}"} for k in (alice, bob))
+        assert [upload(client, a, TEXT).status_code for _ in range(2)] == [201, 201]
+        p = assert_problem(upload(client, a, TEXT), 422)
+        assert p["code"] == "calibration_quota_exceeded", p
+        assert "HIGGS_CALIBRATION_MAX_PER_KEY = 2" in p["detail"] and "30 days" in p["detail"]
+        assert upload(client, b, TEXT).status_code == 201  # another key has its own quota
+    by_bytes = settings.model_copy(
+        update={"calibration_max_per_key": 0, "calibration_max_total_bytes_per_key": 3 * len(TEXT)}
+    )
+    with TestClient(create_app(by_bytes)) as client:
+        assert upload(client, b, TEXT).status_code == 201  # bob: 2 uploads stored
+        p = assert_problem(upload(client, b, TEXT + b"!"), 422)
+        assert "HIGGS_CALIBRATION_MAX_TOTAL_BYTES_PER_KEY" in p["detail"], p
+        assert upload(client, b, TEXT).status_code == 201  # exactly at the limit
+    with sessions() as s:
+        assert len(s.scalars(select(Calibration)).all()) == 5
+
+
+def test_concurrent_uploads_of_one_key_respect_the_quota(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.calibrations.service import CalibrationQuotaError, Upload, create
+    from app.keys.service import AuthKey
+
+    quota = settings.model_copy(update={"calibration_max_per_key": 3})
+    with sessions() as s:
+        row, _ = create_key(s, "racer")
+        key = AuthKey.of(row)
+
+    def one(_: int) -> bool:
+        with sessions() as s:
+            try:
+                create(s, key, Upload.of(TEXT), quota)
+            except CalibrationQuotaError:
+                return False
+            return True
+
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(one, range(12)))
+    assert made.count(True) == 3, made
+    with sessions() as s:
+        assert len(s.scalars(select(Calibration)).all()) == 3
+
+
+def test_sweep_deletes_old_uploads_no_active_job_uses(
+    settings: Settings, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from app.calibrations.service import Upload, create
+    from app.db.models import SUCCEEDED
+    from app.keys.service import AuthKey
+    from tests.app.factories import make_job
+    from worker.sweep import sweep
+
+    with sessions() as s:
+        row, _ = create_key(s, "old")
+        key = AuthKey.of(row)
+        ids = [create(s, key, Upload.of(TEXT), settings).id for _ in range(4)]
+        old_unused, old_queued, old_done, fresh = ids
+        for cid in (old_unused, old_queued, old_done):
+            s.execute(
+                update(Calibration)
+                .where(Calibration.id == cid)
+                .values(created_at=utcnow() - timedelta(days=31))
+            )
+        s.commit()
+        for cid, status in ((old_queued, "queued"), (old_done, SUCCEEDED)):
+            job = make_job(s, key.id, status=status)
+            job.config = {**job.config, "calibration": {"id": cid}}
+            s.commit()
+        make_job(s, key.id)  # a queued job without calibration
+
+    out = sweep(sessions, settings, lambda _: True, lambda: 0)
+    assert sorted(out.calibrations) == sorted([old_unused, old_done])
+    with sessions() as s:
+        left = set(s.scalars(select(Calibration.id)))
+    assert left == {old_queued, fresh}
+    # Retention 0 keeps everything.
+    with sessions() as s:
+        s.execute(update(Calibration).values(created_at=utcnow() - timedelta(days=3650)))
+        s.commit()
+    keep = settings.model_copy(update={"calibration_retention_days": 0})
+    assert sweep(sessions, keep, lambda _: True, lambda: 0).calibrations == []

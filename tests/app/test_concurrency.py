@@ -213,3 +213,79 @@ def test_revoked_key_ends_its_event_stream_and_is_refused(
     assert r.status_code == 401, r.text
     assert waited < 5, waited
     t.join(5)
+
+
+@pytest.fixture
+def plain_url(pg_url: str, tmp_path: Path) -> Iterator[str]:
+    models = tmp_path / "models"
+    (models / "tiny").mkdir(parents=True)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        database_url=pg_url,
+        models_dir=models,
+        rate_limit_per_s=0,
+        db_statement_timeout_s=20,
+    )
+    yield from serve(settings)
+
+
+def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
+    plain_url: str, pg_url: str, pg_sessions: sessionmaker[Session]
+) -> None:
+    """Another connection holds the calibrations and jobs tables locked for 4 s while uploads
+    and submits wait on them: /healthz (no database) still answers at once, because no writing
+    route runs its database work on the event loop."""
+    from sqlalchemy import text
+
+    base = plain_url
+    with pg_sessions() as s:
+        _, key = create_key(s, "writer")
+    auth = {"Authorization": f"Bearer {key}"}
+    body = b"The council met on Monday to discuss the new library budget. " * 200
+    with httpx.Client(base_url=base, headers=auth) as c:  # the key is in the API's cache
+        assert c.get("/v1/calibrations").status_code == 200
+        assert c.get("/healthz").status_code == 200
+
+    engine = create_db_engine(pg_url)
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold_locks() -> None:
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("LOCK TABLE calibrations, jobs IN ACCESS EXCLUSIVE MODE"))
+            locked.set()
+            release.wait(10)
+
+    def write(i: int) -> int:
+        with httpx.Client(base_url=base, headers=auth, timeout=30) as c:
+            if i % 2:
+                r = c.post("/v1/calibrations", content=body, headers={"Content-Type": "text/plain"})
+            else:
+                r = c.post("/v1/jobs", json={"model": {"id": "tiny"}, "target": {"bits": 4}})
+            return r.status_code
+
+    holder = threading.Thread(target=hold_locks, daemon=True)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        with ThreadPoolExecutor(8) as pool:
+            writes = [pool.submit(write, i) for i in range(8)]
+            time.sleep(0.5)  # the writes are waiting on the locks now
+            took = []
+            t_end = time.monotonic() + 3
+            with httpx.Client(base_url=base, timeout=30) as c:
+                while time.monotonic() < t_end:
+                    t0 = time.perf_counter()
+                    assert c.get("/healthz").status_code == 200
+                    took.append(time.perf_counter() - t0)
+                    time.sleep(0.1)
+            slowest = max(took)
+            assert slowest < 0.5, f"/healthz took up to {slowest:.2f} s while writes waited"
+            assert not any(w.done() for w in writes), "the writes did not wait on the locks"
+            release.set()
+            statuses = [w.result() for w in writes]
+    finally:
+        release.set()
+        holder.join(10)
+        engine.dispose()
+    assert statuses == [202, 201] * 4, statuses

@@ -6,6 +6,7 @@ that needs the database 503 database_unavailable. Real servers and sockets on lo
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import Job
+from app.db.session import create_db_engine
 from app.main import create_app
 from app.settings import Settings
 from tests.app.factories import make_key
@@ -185,8 +187,6 @@ def test_the_apis_statements_have_a_statement_timeout(
 
 
 def _postmaster_pid(url: str) -> int:
-    from app.db.session import create_db_engine
-
     engine = create_db_engine(url)
     try:
         with engine.connect() as conn:
@@ -222,3 +222,96 @@ def test_a_stopped_postgres_server_costs_a_request_seconds(
         while httpx.get(f"{base}/readyz", timeout=30).status_code != 200:
             assert time.monotonic() < deadline, "/readyz did not turn ready after SIGCONT"
             time.sleep(0.2)
+
+
+def _cluster_pids(postmaster: int) -> list[int]:
+    """The postmaster and every process it has started (backends, background workers)."""
+    out = subprocess.run(
+        ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+    ).stdout
+    return [postmaster, *(int(p) for p in out.split())]
+
+
+def test_a_frozen_postgres_cluster_costs_a_request_its_deadline(
+    postgres_session_db: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every process of the test PostgreSQL cluster stopped with SIGSTOP: a query on a pooled
+    connection never returns (no statement_timeout can fire, the kernel still ACKs so keepalives
+    do not), yet reads and submissions are 503 dependency_timeout with Retry-After within the
+    request deadline, /healthz stays fast, the late answers of the stuck requests go nowhere
+    without a traceback, and the API serves normally again after SIGCONT."""
+    from app import deadline
+    from tests.app.dbutil import empty_postgres
+
+    if shutil.which("pgrep") is None:
+        pytest.skip("pgrep is not installed")
+    empty_postgres(postgres_session_db)
+    postmaster = _postmaster_pid(postgres_session_db)
+    models = tmp_path / "models"
+    (models / "tiny").mkdir(parents=True)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        database_url=postgres_session_db,
+        models_dir=models,
+        db_connect_timeout_s=2,
+        db_pool_size=4,
+        request_timeout_s=3,
+        auth_cache_ttl_s=0,
+        # Two threads: the third request below finds both stuck and waits for one, and is
+        # answered at its deadline all the same.
+        threadpool_size=2,
+    )
+    engine = create_db_engine(postgres_session_db)
+    try:
+        with sessionmaker(engine)() as s:
+            _, key = make_key(s, "alice")
+    finally:
+        engine.dispose()
+    auth = {"Authorization": f"Bearer {key}"}
+    submission = {"model": {"id": "tiny"}, "target": {"bits": 4}}
+    caplog.set_level(logging.INFO)
+    with serve_app(settings) as base, httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post("/v1/jobs", json=submission, headers=auth)
+        assert r.status_code == 202, r.text
+        job = r.json()["id"]
+        for _ in range(5):  # a warm pool: what the requests below check out
+            assert client.get(f"/v1/jobs/{job}", headers=auth).status_code == 200
+            assert client.get("/v1/jobs", headers=auth).status_code == 200
+        pids = _cluster_pids(postmaster)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            calls = [
+                ("GET", f"/v1/jobs/{job}", None),
+                ("GET", "/v1/jobs", None),
+                ("POST", "/v1/jobs", submission),
+            ]
+            for method, path, body in calls:
+                t0 = time.monotonic()
+                r = client.request(method, path, json=body, headers=auth)
+                took = time.monotonic() - t0
+                problem = assert_problem(r, 503)
+                assert problem["code"] == "dependency_timeout", problem
+                assert r.headers["retry-after"] == str(settings.unavailable_retry_after_s)
+                assert took < settings.request_timeout_s + 2, f"{method} {path}: {took:.1f} s"
+            r, took = _timed_get(f"{base}/healthz")
+            assert r.status_code == 200 and took < 1, f"/healthz took {took:.1f} s"
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        deadline_at = time.monotonic() + 30
+        while True:  # the stuck requests finish once the database answers
+            r = client.get(f"/v1/jobs/{job}", headers=auth)
+            if r.status_code == 200 and not deadline._orphans:
+                break
+            assert time.monotonic() < deadline_at, f"not serving after SIGCONT: {r.text}"
+            time.sleep(0.2)
+        assert client.get("/v1/jobs", headers=auth).status_code == 200
+        r = client.post("/v1/jobs", json=submission, headers=auth)
+        assert r.status_code == 202, r.text
+    tracebacks = [rec.getMessage() for rec in caplog.records if rec.exc_info]
+    assert not tracebacks, tracebacks
+    warnings = [
+        rec.getMessage() for rec in caplog.records if "request deadline" in rec.getMessage()
+    ]
+    assert warnings and "of 2 threads busy" in warnings[0], warnings

@@ -219,7 +219,14 @@ async def run_load(url: str, key: str, done: str, queued: str) -> dict[str, Any]
 
 def test_200_pollers_30_slow_downloads_30_streams(stack_factory: Any) -> None:
     stack = stack_factory("redis-postgres")
-    stack.env.update({"HIGGS_RATE_LIMIT_PER_S": "0", "HIGGS_EVENTS_POLL_INTERVAL_S": "0.5"})
+    # One key is the whole load here: no per-key request rate limit or stream cap.
+    stack.env.update(
+        {
+            "HIGGS_RATE_LIMIT_PER_S": "0",
+            "HIGGS_MAX_EVENT_STREAMS_PER_KEY": "0",
+            "HIGGS_EVENTS_POLL_INTERVAL_S": "0.5",
+        }
+    )
     stack.migrate()
     stack.start_api(workers=2, timeout=90)
     key = stack.create_key("load")

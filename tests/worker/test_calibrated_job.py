@@ -7,6 +7,7 @@ import hashlib
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.calibrations.service import Upload
 from app.calibrations.service import create as create_upload
 from app.db.models import Job
 from app.jobs.schemas import JobCreate
@@ -30,7 +31,7 @@ def _submit(
     with sessions() as s:
         row, _ = create_key(s, "cal")
         key = AuthKey.of(row)
-        up = create_upload(s, key, text, settings.calibration_max_bytes)
+        up = create_upload(s, key, Upload.of(text), settings)
         body["options"]["calibration"] = up.id  # type: ignore[index]
         req = JobCreate.model_validate(body)
         spec = with_calibration(s, key, req, validate_request(req, settings))
