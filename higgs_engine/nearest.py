@@ -389,12 +389,20 @@ def _nearest_2d(z: torch.Tensor, lut: PointLookup) -> torch.Tensor:
     t = torch.gather(lut.table, 0, flat).to(torch.int64)  # (M,)
     sel = (t < 0).nonzero().squeeze(1)
     if sel.numel():
-        zs = z[sel]  # (A, 2)
-        cand = lut.candidates[-1 - t[sel]]  # (A, K)
-        d = (lut.grid[cand] - zs[:, None, :]).square().sum(-1)  # (A, K)
+        zs = z.index_select(0, sel)  # (A, 2)
+        cand = lut.candidates.index_select(0, t.index_select(0, sel).neg_().sub_(1))  # (A, K)
+        k = cand.shape[1]
+        flat = cand.reshape(-1)
+        # dx^2 + dy^2 written out: reductions over a last dim of 2 are slow on the CPU (the
+        # same float32 sums as .square().sum(-1))
+        dx = lut.grid[:, 0].index_select(0, flat).view(-1, k).sub_(zs[:, 0:1])  # (A, K)
+        dy = lut.grid[:, 1].index_select(0, flat).view(-1, k).sub_(zs[:, 1:2])
+        d = dx.square_().add_(dy.square_())
         res = cand.gather(1, d.argmin(1, keepdim=True)).squeeze(1)
-        far = (zs.abs().amax(1) >= lut.extent).nonzero().squeeze(1)
-        if far.numel():
+        lo, hi = torch.aminmax(zs)
+        if -float(lo) >= lut.extent or float(hi) >= lut.extent:
+            far = ((zs[:, 0].abs() >= lut.extent) | (zs[:, 1].abs() >= lut.extent)).nonzero()
+            far = far.squeeze(1)
             res[far] = nearest_points_brute(zs[far], lut.grid)
         t[sel] = res
     return t
