@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.nearest import nearest_points
@@ -53,7 +54,7 @@ LOG_RHO_MIN = -4.0
 
 @dataclass(frozen=True)
 class ScaleTable:
-    """`scores` (THETA_BINS * rho_bins, K) float16: m_j^2 D(centre / m_j) per bin (rows
+    """`scores` (THETA_BINS * rho_bins, K) float32: m_j^2 D(centre / m_j) per bin (rows
     theta-major: bin = it * rho_bins + ir) and multiplier j."""
 
     scores: torch.Tensor
@@ -88,7 +89,7 @@ def build_scale_table(
         u = centres / m
         c = nearest_points(u.to(torch.float32), grid.to(torch.float32))
         cols.append((u - g[c]).square().sum(1) * (m * m))
-    scores = torch.stack(cols, 1).to(torch.float16).contiguous()  # (bins, K)
+    scores = torch.stack(cols, 1).to(torch.float32).contiguous()  # (bins, K)
     return ScaleTable(
         scores=scores,
         multipliers=tuple(float(m) for m in multipliers),
@@ -160,19 +161,14 @@ def score_multipliers(
     (rows, in): per group, the sum over its tuples of m^2 D(z / m) read from the table."""
     rows, width = z.shape
     k = len(table.multipliers)
-    per = table.scores.index_select(0, _bins(z.reshape(-1, 2), table))  # (rows * in / 2, K)
-    per = per.view(rows, width // 2, k)
-    nfull = sum(1 for length in group_lens if length == group_size)
-    parts = []
-    if nfull:
-        full = per[:, : nfull * group_size // 2].reshape(rows, nfull, group_size // 2, k)
-        parts.append(full.sum(2, dtype=torch.float32))
-    start = nfull * group_size // 2
-    for length in group_lens[nfull:]:
-        seg = per[:, start : start + length // 2]
-        parts.append(seg.sum(1, keepdim=True, dtype=torch.float32))
-        start += length // 2
-    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    # One bag per (row, group): embedding_bag sums the table rows of a group's tuples without
+    # materialising the (tuples, K) gather.
+    sizes = torch.tensor([length // 2 for length in group_lens], dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes  # (groups,) first tuple of each group in a row
+    offsets = (torch.arange(rows, dtype=torch.int64)[:, None] * (width // 2) + starts).view(-1)
+    bins = _bins(z.reshape(-1, 2), table)
+    out = F.embedding_bag(bins, table.scores, offsets.to(bins.device), mode="sum")
+    return out.view(rows, len(group_lens), k)
 
 
 def score_multipliers_reference(
