@@ -291,6 +291,32 @@ def _scale_groups_(
     return y
 
 
+def _scaled(
+    y: torch.Tensor, factors: torch.Tensor, group_lens: Sequence[int], group_size: int
+) -> torch.Tensor:
+    """A new tensor: each scale group of y (rows, in) times factors (rows, groups); the same
+    values as `_scale_groups_(y.clone(), ...)` in one pass over y instead of two."""
+    rows = y.shape[0]
+    nfull = sum(1 for length in group_lens if length == group_size)
+    full = nfull * group_size
+    out = torch.empty_like(y)
+    if nfull:
+        torch.mul(
+            y[:, :full].view(rows, nfull, group_size),
+            factors[:, :nfull, None],
+            out=out[:, :full].view(rows, nfull, group_size),
+        )
+    start = full
+    for k, length in enumerate(group_lens[nfull:], start=nfull):
+        torch.mul(
+            y[:, start : start + length],
+            factors[:, k : k + 1],
+            out=out[:, start : start + length],
+        )
+        start += length
+    return out
+
+
 # ----------------------------------------------------------------------------- scales
 
 
@@ -317,7 +343,10 @@ def _codes_for(
     group (s = 0) maps to z = 0 and dequantizes to 0. `inplace` lets y be overwritten."""
     s = s16.to(torch.float32)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    z = _scale_groups_(y if inplace else y.clone(), inv, group_lens, group_size)
+    if inplace:
+        z = _scale_groups_(y, inv, group_lens, group_size)
+    else:
+        z = _scaled(y, inv, group_lens, group_size)
     return nearest_points(z.reshape(-1, grid.shape[1]), grid, search)
 
 
@@ -363,14 +392,16 @@ def _fit_scales(
         y: torch.Tensor, s16: torch.Tensor, codes: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # s -> s * <y, y> / <y, s * g> = <y, y> / <y, g>: the reconstruction's projection on
-        # y is y (a group whose <y, s * g> is not positive keeps s, as the reference does)
-        num = _group_sum(y * y, group_lens, group_size)
+        # y is y (a group whose <y, s * g> is not positive keeps s, as the reference does);
+        # <y, y> of a group is its length times its mean square, RMS^2
+        num = rms.square() * lens_t
         yg = grid.index_select(0, codes).view(y.shape).mul_(y)  # (rows, in)
         den = _group_sum(yg, group_lens, group_size)
         ok = (den > 0) & (s16 > 0)
         s = torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), s16.float())
         return _fp16_scale(s), codes
 
+    lens_t = torch.tensor(list(group_lens), dtype=torch.float32, device=y.device)
     if rule == "unbiased":
         s16 = rms.to(torch.float16)
         return _unbias(y, s16, _codes_for(y, s16, group_lens, group_size, grid, search))
@@ -434,11 +465,11 @@ def _mse_scales_table(
     one per multiplier. Same outputs: fp16 scales (rows, groups) and codes (rows*in/p,)."""
     table = scale_table_for(grid, MSE_MULTIPLIERS, max(group_lens), y.device)
     inv = torch.where(rms > 0, 1.0 / rms, torch.zeros_like(rms))
-    z = _scale_groups_(y.clone(), inv, group_lens, group_size)  # (rows, in)
+    z = _scaled(y, inv, group_lens, group_size)  # (rows, in)
     best = score_multipliers(z, group_lens, group_size, table).argmin(-1)  # (rows, groups)
     mult = torch.tensor(MSE_MULTIPLIERS, dtype=torch.float32, device=y.device)
     s16 = _fp16_scale(rms * mult.index_select(0, best.view(-1)).view(best.shape))
-    return s16, _codes_for(z.copy_(y), s16, group_lens, group_size, grid, search, inplace=True)
+    return s16, _codes_for(y, s16, group_lens, group_size, grid, search)
 
 
 def fit_scales_reference(
