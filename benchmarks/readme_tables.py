@@ -17,6 +17,8 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("ablation_smollm2", "ablation.py --model smollm2 (three processes, joined with --merge)"),
     ("ablation_minilm", "ablation.py --model minilm"),
     ("error_structure", "error_structure.py"),
+    ("speed_defaults", "speed.py --threads 2 --name speed_defaults (the key methods only)"),
+    ("scale_search", "scale_search.py"),
     ("speed", "speed.py"),
     ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
     ("memory", "memory.py"),
