@@ -19,6 +19,8 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("error_structure", "error_structure.py"),
     ("speed_defaults", "speed.py --threads 2 --name speed_defaults (the key methods only)"),
     ("scale_search", "scale_search.py"),
+    ("scale_search_minilm_seed1", "scale_search.py --model minilm --sign-seed 1"),
+    ("scale_search_minilm_seed2", "scale_search.py --model minilm --sign-seed 2"),
     ("speed", "speed.py"),
     ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
     ("memory", "memory.py"),

@@ -10,7 +10,12 @@ The speed side is benchmarks/speed.py (interleaved against RTN-4).
 
 Writes benchmarks/results/scale_search.json and .md.
 
+`--sign-seed` runs the default with other random signs (the ablation's seed lottery: does the
+table move quality more than a seed does?); `--model` runs one model; `--name` picks the
+results stem.
+
 Usage: python benchmarks/scale_search.py [--windows 40] [--sentences 2000] [--threads 1]
+           [--model all|smollm2|minilm] [--sign-seed 0] [--name scale_search]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from devtools.quality import (  # noqa: E402
     Method,
     SimulatedModel,
     data_ready,
-    higgs_default_fn,
+    higgs_fn,
     load_encoder,
     news_sentences,
     run_methods,
@@ -44,11 +49,27 @@ EXACT = "HIGGS default --bits 4, exact scale search (before)"
 TABLE = "HIGGS default --bits 4, table scale search"
 
 
-def methods() -> list[Method]:
+def default_method(name: str, sign_seed: int, scale_search: str) -> Method:
+    """`higgs quantize --bits 4` (HiggsConfig.from_bits(4) with every default but the seed)."""
+    from higgs_engine.planning.config import HiggsConfig
+
+    c = HiggsConfig.from_bits(4.0, sign_seed=sign_seed)
+    params: dict[str, Any] = {
+        "p": c.p,
+        "n": c.n,
+        "sign_seed": c.sign_seed,
+        "scale_rule": c.scale_rule,
+        "scale_search": scale_search,
+    }
+    fn = higgs_fn(c.p, c.n, c.group_size, c.rotation_block, c.sign_seed, c.scale_rule, scale_search)
+    return Method(name, "higgs", params, fn)
+
+
+def methods(sign_seed: int) -> list[Method]:
     return [
         Method("base", "base", {}),
-        Method(EXACT, "higgs", *higgs_default_fn(4.0, scale_search="exact")),
-        Method(TABLE, "higgs", *higgs_default_fn(4.0)),
+        default_method(EXACT, sign_seed, "exact"),
+        default_method(TABLE, sign_seed, "table"),
     ]
 
 
@@ -67,7 +88,11 @@ def compare(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
 
 
 def to_markdown(p: dict[str, Any]) -> str:
-    lines = ["### Scale search: table vs exact, default data-free HIGGS (4.08 bits)", ""]
+    lines = [
+        "### Scale search: table vs exact, default data-free HIGGS (4.08 bits, sign seed "
+        f"{p.get('sign_seed', 0)})",
+        "",
+    ]
     cols = [
         ("model", "model"),
         ("metric", "metric"),
@@ -94,8 +119,9 @@ def to_markdown(p: dict[str, Any]) -> str:
         f"at start {env['load_average_1_5_15']}, at end "
         f"{p['environment']['end']['load_average_1_5_15']}; {p['seconds']:.0f} s. SmolLM2: "
         f"{p['data']['windows']} news windows of {p['data']['context']} tokens; MiniLM: "
-        f"{p['data']['sentences']} news sentences. Quantize seconds are wall times on a shared "
-        "machine (noisy); the speed ratio is benchmarks/speed.py's.",
+        f"{p['data']['sentences']} news sentences (a model not run has no rows). Quantize "
+        "seconds are wall times on a shared machine (noisy); the speed ratio is "
+        "benchmarks/speed.py's.",
     ]
     return "\n".join(lines)
 
@@ -106,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--model", choices=["all", "smollm2", "minilm"], default="all")
+    ap.add_argument("--sign-seed", type=int, default=0)
+    ap.add_argument("--name", default="scale_search", help="results file stem")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     ok, why = data_ready()
@@ -119,19 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows: dict[str, list[dict[str, Any]]] = {}
     comparisons = []
-    _, _, _, ev, _, sim = smollm2_on_news(args.context, args.windows)
-    rows["smollm2"] = run_methods(sim, ev, methods())
-    for metric in ("kl", "ppl"):
-        comparisons.append({"model": "smollm2-135m", **compare(rows["smollm2"], metric)})
-    del sim, ev
-    model, tok = load_encoder(MINILM_DIR)
-    text = NEWS_FILE.read_text(encoding="utf-8")
-    emb = EmbeddingEval(tok, news_sentences(text, args.sentences))
-    rows["minilm"] = run_methods(SimulatedModel(model), emb, methods())
-    comparisons.append({"model": "all-MiniLM-L6-v2", **compare(rows["minilm"], "one_minus_cos")})
+    if args.model in ("all", "smollm2"):
+        _, _, _, ev, _, sim = smollm2_on_news(args.context, args.windows)
+        rows["smollm2"] = run_methods(sim, ev, methods(args.sign_seed))
+        for metric in ("kl", "ppl"):
+            comparisons.append({"model": "smollm2-135m", **compare(rows["smollm2"], metric)})
+        del sim, ev
+    if args.model in ("all", "minilm"):
+        model, tok = load_encoder(MINILM_DIR)
+        text = NEWS_FILE.read_text(encoding="utf-8")
+        emb = EmbeddingEval(tok, news_sentences(text, args.sentences))
+        rows["minilm"] = run_methods(SimulatedModel(model), emb, methods(args.sign_seed))
+        comparisons.append(
+            {"model": "all-MiniLM-L6-v2", **compare(rows["minilm"], "one_minus_cos")}
+        )
     payload = {
         "benchmark": "scale_search",
-        "data": {"windows": args.windows, "context": args.context, "sentences": emb.count},
+        "sign_seed": args.sign_seed,
+        "data": {"windows": args.windows, "context": args.context, "sentences": args.sentences},
         "threads": torch.get_num_threads(),
         "comparisons": comparisons,
         "rows": rows,
@@ -139,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {"start": env0, "end": environment()},
     }
     md = to_markdown(payload)
-    j, m = write_results("scale_search", payload, md, args.out_dir)
+    j, m = write_results(args.name, payload, md, args.out_dir)
     print(md)
     print(f"wrote {j}, {m}")
     return 0
