@@ -81,6 +81,7 @@ def higgs_fn(
     rotation_block: int = 1024,
     sign_seed: int | None = None,
     scale_rule: str = "rms",
+    scale_search: str = "table",
 ) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
         from higgs_engine.quantize import dequantize_matrix, quantize_matrix
@@ -93,14 +94,18 @@ def higgs_fn(
             rotation_block=rotation_block,
             sign_seed=sign_seed,
             scale_rule=scale_rule,
+            scale_search=scale_search,
         )
         return dequantize_matrix(q), float(q.bits_per_weight())
 
     return run
 
 
-def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
-    """What `higgs quantize --bits B` does: HiggsConfig.from_bits(B) with every default."""
+def higgs_default_fn(
+    bits: float = 4.0, scale_search: str = "table"
+) -> tuple[dict[str, Any], QuantFn]:
+    """What `higgs quantize --bits B` does: HiggsConfig.from_bits(B) with every default
+    (`scale_search="exact"`: with the exact multiplier search the table replaced)."""
     from higgs_engine.planning.config import HiggsConfig
 
     c = HiggsConfig.from_bits(bits)
@@ -112,7 +117,9 @@ def higgs_default_fn(bits: float = 4.0) -> tuple[dict[str, Any], QuantFn]:
         "sign_seed": c.sign_seed,
         "scale_rule": c.scale_rule,
     }
-    fn = higgs_fn(c.p, c.n, c.group_size, c.rotation_block, c.sign_seed, c.scale_rule)
+    if scale_search != "table":
+        params["scale_search"] = scale_search
+    fn = higgs_fn(c.p, c.n, c.group_size, c.rotation_block, c.sign_seed, c.scale_rule, scale_search)
     return params, fn
 
 

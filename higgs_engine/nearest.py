@@ -389,14 +389,23 @@ def _nearest_2d(z: torch.Tensor, lut: PointLookup) -> torch.Tensor:
     t = torch.gather(lut.table, 0, flat).to(torch.int64)  # (M,)
     sel = (t < 0).nonzero().squeeze(1)
     if sel.numel():
-        zs = z[sel]  # (A, 2)
-        cand = lut.candidates[-1 - t[sel]]  # (A, K)
-        d = (lut.grid[cand] - zs[:, None, :]).square().sum(-1)  # (A, K)
-        res = cand.gather(1, d.argmin(1, keepdim=True)).squeeze(1)
-        far = (zs.abs().amax(1) >= lut.extent).nonzero().squeeze(1)
-        if far.numel():
-            res[far] = nearest_points_brute(zs[far], lut.grid)
-        t[sel] = res
+        # coordinate-major (K, A) candidates and distances, the first minimum over K by
+        # min(0) (as argmin(1); reductions over a short last dimension are slow on the CPU)
+        zx = z[:, 0].index_select(0, sel)  # (A,)
+        zy = z[:, 1].index_select(0, sel)
+        rows = t.index_select(0, sel).neg_().sub_(1)  # candidate list of each tuple
+        cand = lut.candidates.T.contiguous().index_select(1, rows)  # (K, A)
+        flat = cand.view(-1)
+        k = cand.shape[0]
+        dx = lut.grid[:, 0].index_select(0, flat).view(k, -1).sub_(zx)  # (K, A)
+        dy = lut.grid[:, 1].index_select(0, flat).view(k, -1).sub_(zy)
+        d = dx.square_().add_(dy.square_())
+        res = cand.gather(0, d.min(0, keepdim=True).indices).squeeze(0)
+        if float(zx.abs().max()) >= lut.extent or float(zy.abs().max()) >= lut.extent:
+            far = ((zx.abs() >= lut.extent) | (zy.abs() >= lut.extent)).nonzero().squeeze(1)
+            zf = torch.stack([zx.index_select(0, far), zy.index_select(0, far)], 1)
+            res[far] = nearest_points_brute(zf, lut.grid)
+        t.index_copy_(0, sel, res)
     return t
 
 

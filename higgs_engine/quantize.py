@@ -28,6 +28,7 @@ from higgs_engine.nearest import nearest_points, nearest_points_reference
 from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
 from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
 from higgs_engine.planning.layout import is_power_of_two
+from higgs_engine.scale_search import TABLE_MAX_POINTS, scale_table_for, score_multipliers
 
 __all__ = [
     "QuantizedMatrix",
@@ -40,6 +41,7 @@ __all__ = [
     "quantize_matrix_full",
     "relative_error",
     "rotated_weight",
+    "SCALE_SEARCHES",
 ]
 
 FORMAT = "higgs-matrix"
@@ -60,6 +62,11 @@ FP16_MAX = 65504.0
 # - "mse-unbiased": the "mse" codes and scale, then rescaled as "unbiased".
 SCALE_RULES = CONFIG_SCALE_RULES
 MSE_MULTIPLIERS: tuple[float, ...] = tuple(round(0.80 + 0.025 * k, 3) for k in range(17))
+# How the "mse" rules search the multipliers: "table" scores every candidate from the grid's
+# scoring table (higgs_engine.scale_search; 2-D grids of up to TABLE_MAX_POINTS points, the
+# exact search for the others) and codes only the winner; "exact" codes every candidate (`_mse_scales`, one nearest-point
+# pass per multiplier: the twin the table is tested and benchmarked against).
+SCALE_SEARCHES = ("table", "exact")
 
 
 def group_lengths(layout: Sequence[int], group_size: int) -> list[int]:
@@ -252,6 +259,21 @@ def _group_rms(y: torch.Tensor, group_lens: Sequence[int], group_size: int) -> t
     return torch.cat(parts, dim=1).sqrt() if len(parts) > 1 else parts[0].sqrt()
 
 
+def _group_sum(x: torch.Tensor, group_lens: Sequence[int], group_size: int) -> torch.Tensor:
+    """Sum of each scale group: (rows, in) -> (rows, groups), float32 (contiguous views, no
+    scatter: the fast twin of `_group_sums`)."""
+    rows = x.shape[0]
+    nfull = sum(1 for length in group_lens if length == group_size)
+    parts = []
+    if nfull:
+        parts.append(x[:, : nfull * group_size].reshape(rows, nfull, group_size).sum(-1))
+    start = nfull * group_size
+    for length in group_lens[nfull:]:
+        parts.append(x[:, start : start + length].sum(-1, keepdim=True))
+        start += length
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 def _scale_groups_(
     y: torch.Tensor, factors: torch.Tensor, group_lens: Sequence[int], group_size: int
 ) -> torch.Tensor:
@@ -267,6 +289,32 @@ def _scale_groups_(
         y[:, start : start + length].mul_(factors[:, k : k + 1])
         start += length
     return y
+
+
+def _scaled(
+    y: torch.Tensor, factors: torch.Tensor, group_lens: Sequence[int], group_size: int
+) -> torch.Tensor:
+    """A new tensor: each scale group of y (rows, in) times factors (rows, groups); the same
+    values as `_scale_groups_(y.clone(), ...)` in one pass over y instead of two."""
+    rows = y.shape[0]
+    nfull = sum(1 for length in group_lens if length == group_size)
+    full = nfull * group_size
+    out = torch.empty_like(y)
+    if nfull:
+        torch.mul(
+            y[:, :full].view(rows, nfull, group_size),
+            factors[:, :nfull, None],
+            out=out[:, :full].view(rows, nfull, group_size),
+        )
+    start = full
+    for k, length in enumerate(group_lens[nfull:], start=nfull):
+        torch.mul(
+            y[:, start : start + length],
+            factors[:, k : k + 1],
+            out=out[:, start : start + length],
+        )
+        start += length
+    return out
 
 
 # ----------------------------------------------------------------------------- scales
@@ -295,7 +343,10 @@ def _codes_for(
     group (s = 0) maps to z = 0 and dequantizes to 0. `inplace` lets y be overwritten."""
     s = s16.to(torch.float32)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    z = _scale_groups_(y if inplace else y.clone(), inv, group_lens, group_size)
+    if inplace:
+        z = _scale_groups_(y, inv, group_lens, group_size)
+    else:
+        z = _scaled(y, inv, group_lens, group_size)
     return nearest_points(z.reshape(-1, grid.shape[1]), grid, search)
 
 
@@ -331,24 +382,33 @@ def _fit_scales(
     search: str,
     col_group: torch.Tensor,
     rule: str,
+    scale_search: str = "table",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scales (rows, groups) and codes (rows*in/p,) of rotated rows y under `rule`
-    ("mse" or "unbiased", see SCALE_RULES). y is left unchanged."""
+    ("mse" or "unbiased", see SCALE_RULES; `scale_search`, see SCALE_SEARCHES). y is left
+    unchanged."""
 
     def _unbias(
         y: torch.Tensor, s16: torch.Tensor, codes: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # s -> s * <y, y> / <y, s * g>: the reconstruction's projection on y is y
-        num = _group_sums(y * y, col_group, groups)
-        den = _group_sums(y * _recon(codes, s16, grid, group_lens, group_size), col_group, groups)
-        ratio = torch.where(den > 0, num / den.clamp(min=1e-300), torch.ones_like(num))
-        return _fp16_scale(s16.to(torch.float64) * ratio), codes
+        # s -> s * <y, y> / <y, s * g> = <y, y> / <y, g>: the reconstruction's projection on
+        # y is y (a group whose <y, s * g> is not positive keeps s, as the reference does);
+        # <y, y> of a group is its length times its mean square, RMS^2
+        num = rms.square() * lens_t
+        yg = grid.index_select(0, codes).view(y.shape).mul_(y)  # (rows, in)
+        den = _group_sum(yg, group_lens, group_size)
+        ok = (den > 0) & (s16 > 0)
+        s = torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), s16.float())
+        return _fp16_scale(s), codes
 
-    groups = len(group_lens)
+    lens_t = torch.tensor(list(group_lens), dtype=torch.float32, device=y.device)
     if rule == "unbiased":
         s16 = rms.to(torch.float16)
         return _unbias(y, s16, _codes_for(y, s16, group_lens, group_size, grid, search))
-    s16, codes = _mse_scales(y, rms, group_lens, group_size, grid, search, col_group)
+    if scale_search == "table" and _table_search_applies(grid):
+        s16, codes = _mse_scales_table(y, rms, group_lens, group_size, grid, search)
+    else:
+        s16, codes = _mse_scales(y, rms, group_lens, group_size, grid, search, col_group)
     if rule == "mse-unbiased":
         return _unbias(y, s16, codes)
     return s16, codes
@@ -383,6 +443,33 @@ def _mse_scales(
         take = better.index_select(1, tuple_group)  # (rows, in/p)
         best_codes = torch.where(take, codes.view(rows, -1).to(torch.int64), best_codes)
     return best_s16, best_codes.reshape(-1)
+
+
+def _table_search_applies(grid: torch.Tensor) -> bool:
+    """The scoring table serves 2-D grids of 16..TABLE_MAX_POINTS points, on every device (the
+    same multipliers on the CPU and on an accelerator); 1-D and finer grids keep the exact
+    search."""
+    return grid.shape[1] == 2 and 8 < grid.shape[0] <= TABLE_MAX_POINTS
+
+
+def _mse_scales_table(
+    y: torch.Tensor,
+    rms: torch.Tensor,
+    group_lens: Sequence[int],
+    group_size: int,
+    grid: torch.Tensor,
+    search: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_mse_scales` with the candidates scored from the grid's table
+    (higgs_engine.scale_search) and only the winner coded: one nearest-point pass instead of
+    one per multiplier. Same outputs: fp16 scales (rows, groups) and codes (rows*in/p,)."""
+    table = scale_table_for(grid, MSE_MULTIPLIERS, max(group_lens), y.device)
+    inv = torch.where(rms > 0, 1.0 / rms, torch.zeros_like(rms))
+    z = _scaled(y, inv, group_lens, group_size)  # (rows, in)
+    best = score_multipliers(z, group_lens, group_size, table).argmin(-1)  # (rows, groups)
+    mult = torch.tensor(MSE_MULTIPLIERS, dtype=torch.float32, device=y.device)
+    s16 = _fp16_scale(rms * mult.index_select(0, best.view(-1)).view(best.shape))
+    return s16, _codes_for(y, s16, group_lens, group_size, grid, search)
 
 
 def fit_scales_reference(
@@ -448,11 +535,13 @@ def quantize_matrix(
     device: torch.device | str | None = None,
     search: str = "auto",
     scale_rule: str = "rms",
+    scale_search: str = "table",
 ) -> QuantizedMatrix:
     """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research).
 
     device: where the rotation and the nearest-point search run (default: the CPU, whatever
-    W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`)."""
+    W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`); scale_search:
+    how the "mse" rules search their multiplier (see SCALE_SEARCHES)."""
     q, _ = quantize_matrix_full(
         W,
         p,
@@ -465,6 +554,7 @@ def quantize_matrix(
         search=search,
         dequantized=False,
         scale_rule=scale_rule,
+        scale_search=scale_search,
     )
     return q
 
@@ -482,6 +572,7 @@ def quantize_matrix_full(
     search: str = "auto",
     dequantized: bool = True,
     scale_rule: str = "rms",
+    scale_search: str = "table",
 ) -> tuple[QuantizedMatrix, torch.Tensor | None]:
     """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
     codes while they are at hand (no pack / unpack round trip): the same values as
@@ -489,6 +580,10 @@ def quantize_matrix_full(
     _check_inputs(W, p, n, group_size, rotation_block)
     if scale_rule not in SCALE_RULES:
         raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
+    if scale_search not in SCALE_SEARCHES:
+        raise InvalidConfigError(
+            f"scale_search={scale_search!r} must be one of {list(SCALE_SEARCHES)}"
+        )
     dev = torch.device("cpu") if device is None else torch.device(device)
     out_f, in_f = W.shape
     if grid is None:
@@ -526,7 +621,9 @@ def quantize_matrix_full(
             s16 = rms.to(torch.float16)
             codes = _codes_for(y, s16, lens, group_size, grid, search, inplace=True)
         else:
-            s16, codes = _fit_scales(y, rms, lens, group_size, grid, search, col_group, scale_rule)
+            s16, codes = _fit_scales(
+                y, rms, lens, group_size, grid, search, col_group, scale_rule, scale_search
+            )
         scales[r0 : r0 + step] = s16.cpu()
         s = s16.to(torch.float32)
         if w_hat is not None:
