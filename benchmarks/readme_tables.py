@@ -14,6 +14,8 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("quality_smollm2", "quality.py --model smollm2"),
     ("rtn_crosscheck", "rtn_crosscheck.py"),
     ("quality_minilm", "quality.py --model minilm"),
+    ("gguf_smollm2", "gguf.py --model smollm2 --threads 1"),
+    ("gguf_minilm", "gguf.py --model minilm --threads 1"),
     ("ablation_smollm2", "ablation.py --model smollm2 (three processes, joined with --merge)"),
     ("ablation_minilm", "ablation.py --model minilm"),
     ("error_structure", "error_structure.py"),
@@ -34,6 +36,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("service_api_quiet", "service_bench.py --api-only --no-sqlite --stem service_api_quiet"),
     ("service_api", "service_bench.py --api-only"),
     ("service", "service_bench.py"),
+    ("service_noisy", "service_bench.py --noisy"),
     ("fanout", "fanout.py"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
