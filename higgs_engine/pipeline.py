@@ -11,16 +11,15 @@ it was (absent).
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.errors import HiggsError, InvalidConfigError
+from higgs_engine.errors import InvalidConfigError
 from higgs_engine.model_structure import LayerSpec, is_skipped, layer_specs, load_config
+from higgs_engine.output import atomic_output
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
@@ -33,12 +32,6 @@ if TYPE_CHECKING:
     from higgs_engine.artifacts import ArtifactWriter
     from higgs_engine.calibration import Calibration
     from higgs_engine.quantize import QuantizedMatrix
-
-
-class OutputExistsError(HiggsError, FileExistsError):
-    """The output directory already exists and overwriting was not asked for."""
-
-    code = "output_exists"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,47 +165,6 @@ def calibrate_layers(
 
 
 # ---------------------------------------------------------------------------------------------
-# Output directory
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.is_file() or out_dir.is_symlink():
-        raise OutputExistsError(f"output path {str(out_dir)!r} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise OutputExistsError(
-            f"output directory {str(out_dir)!r} already exists and is not empty; "
-            "choose a new one or ask to overwrite it"
-        )
-
-
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """Move the finished tmp dir to out_dir, replacing an existing one only at the last step."""
-    trash = None
-    if out_dir.exists():
-        trash = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        out_dir.rename(trash)
-    try:
-        tmp.rename(out_dir)
-    except BaseException:
-        if trash is not None:
-            trash.rename(out_dir)
-        raise
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _mkdir_parents(path: Path) -> list[Path]:
-    """Create missing parents of `path`; return those created (to remove on failure)."""
-    created = []
-    for parent in reversed(path.parents):
-        if not parent.exists():
-            parent.mkdir()
-            created.append(parent)
-    return created
-
-
-# ---------------------------------------------------------------------------------------------
 # The pipeline
 # ---------------------------------------------------------------------------------------------
 
@@ -267,12 +219,8 @@ def quantize_checkpoint(
     from higgs_engine.device import resolve_device
 
     dev = resolve_device(device or "cpu")
-    out_dir = Path(out_dir).expanduser().absolute()
-    _check_out_dir(out_dir, overwrite)
-    created = _mkdir_parents(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        rep = _run(
+    with atomic_output(out_dir, overwrite) as tmp:
+        return _run(
             _RunContext(
                 source=source,
                 tmp=tmp,
@@ -287,14 +235,6 @@ def quantize_checkpoint(
                 calibration=calibration,
             )
         )
-        _publish(tmp, out_dir)
-        return rep
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in reversed(created):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
 
 
 @dataclass

@@ -20,11 +20,8 @@ weight, or max_ppl_increase) is the allocator's.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,27 +130,11 @@ class GgufRun:
 def quantize_gguf(run: GgufRun) -> Report:
     """Write `run.out_dir`/gguf/<name>.gguf (or its shards) and `run.out_dir`/report.json; the
     directory appears only once complete (nothing is left there on error or cancellation)."""
-    from higgs_engine.pipeline import _check_out_dir, _mkdir_parents, _publish
+    from higgs_engine.output import atomic_output, scratch_dir
 
-    out_dir = Path(run.out_dir).expanduser().absolute()
-    _check_out_dir(out_dir, run.overwrite)
-    created = _mkdir_parents(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    scratch = out_dir.with_name(f".{out_dir.name}.scratch-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_output(run.out_dir, run.overwrite) as tmp, scratch_dir(run.out_dir) as scratch:
         tmp.mkdir()
-        scratch.mkdir()
-        rep = _run(run, tmp, scratch)
-        _publish(tmp, out_dir)
-        return rep
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in reversed(created):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return _run(run, tmp, scratch)
 
 
 def _timed(run: GgufRun, stage: str, t0: float) -> None:

@@ -19,7 +19,8 @@ from higgs_engine.errors import (
     ModelNotFoundError,
 )
 from higgs_engine.model_structure import quantizable_layers
-from higgs_engine.pipeline import OutputExistsError, quantize_checkpoint, quantize_layer
+from higgs_engine.output import OutputExistsError
+from higgs_engine.pipeline import quantize_checkpoint, quantize_layer
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix, relative_error
 from higgs_engine.report import Report
