@@ -271,7 +271,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from higgs_engine.dynamic import get_profile
 
     quiet_libraries()  # transformers' own loading bar and warnings: stderr is ours
-    bar = StageBars(args.quiet)
+    bar = StageBars(args.quiet, {"profiling": "layer"} if cfg.method == "noise" else None)
     try:
         prof = get_profile(
             args.source,

@@ -168,11 +168,25 @@ def _dynamic_hooks() -> Any:
     return dynamic_cmds
 
 
-class StageBars:
-    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY)."""
+# What each stage's progress counts (the engine's progress callbacks): "generating" is the
+# data-free text sampled token by token, "profiling" the Fisher passes over its windows (a
+# noise-injection profile counts layers instead: see StageBars' units).
+STAGE_UNITS = {
+    "generating": "token",
+    "profiling": "window",
+    "quantizing": "layer",
+    "evaluating": "window",
+    "measuring": "tensor",
+}
 
-    def __init__(self, quiet: bool) -> None:
+
+class StageBars:
+    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY).
+    `units` overrides STAGE_UNITS per stage (e.g. profiling in layers for the noise method)."""
+
+    def __init__(self, quiet: bool, units: dict[str, str] | None = None) -> None:
         self.quiet = quiet
+        self.units = {**STAGE_UNITS, **(units or {})}
         self.stage: str | None = None
         self.bar: Any = None
 
@@ -184,9 +198,7 @@ class StageBars:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            unit = {"quantizing": "layer", "evaluating": "window", "measuring": "tensor"}.get(
-                stage, "step"
-            )
+            unit = self.units.get(stage, "step")
             # disable=None: tqdm turns itself off when stderr is not a terminal.
             self.bar = tqdm(
                 total=total, desc=stage, unit=unit, file=sys.stderr, disable=None, leave=False
@@ -313,7 +325,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_engine.pipeline import quantize_checkpoint
 
     quiet_libraries()
-    bars = StageBars(args.quiet)
+    noise = bool(getattr(args, "profile_noise", False))
+    bars = StageBars(args.quiet, {"profiling": "layer"} if noise else None)
     dyn = _dynamic_hooks()
     try:
         calibration = _calibration(args, cal_text, bars)

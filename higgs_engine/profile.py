@@ -387,7 +387,7 @@ def fisher_profile_layers(
     g = torch.Generator().manual_seed(config.seed)
     nll = 0.0
     forwards = backwards = 0
-    total = int(windows.shape[0]) * config.fisher_samples
+    total = int(windows.shape[0])  # progress: windows done (each 1 forward + draws backward)
     report(progress, "profiling", 0, total)
     try:
         for p in params:
@@ -409,7 +409,7 @@ def fisher_profile_layers(
                     backwards += 1
                     for li, gr in enumerate(grads):
                         sq[li] += float(gr.double().pow(2).sum())
-                    report(progress, "profiling", i * config.fisher_samples + s + 1, total)
+            report(progress, "profiling", i + 1, total)
     finally:
         for p, f in zip(params, flags, strict=True):
             p.requires_grad_(f)

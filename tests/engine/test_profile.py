@@ -225,3 +225,25 @@ def test_old_profile_config_without_data_free_reads_as_random() -> None:
     assert ProfileConfig.from_dict(d).data_free == "random"
     with pytest.raises(InvalidConfigError, match="data_free='web'"):
         ProfileConfig(data_free="web")
+
+
+def test_data_free_progress_generates_tokens_then_profiles_windows(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """Generating the text is its own stage counted in tokens; the Fisher passes are
+    "profiling" counted in windows (each: one forward and fisher_samples backward passes)."""
+    cfg = ProfileConfig(method="fisher", context=16, windows=3, fisher_samples=2)
+    calls: list[tuple[str, int, int]] = []
+
+    def progress(stage: str, done: int, total: int) -> bool:
+        calls.append((stage, done, total))
+        return True
+
+    get_profile(ckpt, cfg, cache_dir=tmp_path, progress=progress)
+    stages = [c[0] for c in calls]
+    first_profiling = stages.index("profiling")
+    assert set(stages[:first_profiling]) == {"generating"}
+    assert set(stages[first_profiling:]) == {"profiling"}
+    gen = calls[:first_profiling]
+    assert gen[0] == ("generating", 0, 3 * 16) and gen[-1] == ("generating", 3 * 16, 3 * 16)
+    assert [c[1:] for c in calls[first_profiling:]] == [(i, 3) for i in range(4)]

@@ -13,9 +13,12 @@ from higgs_engine.dynamic import load_float_model
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.selfgen import (
     SelfGenConfig,
+    _nucleus_top,
     cached_self_tokens,
     sample_next,
+    sample_rows,
     self_generated_tokens,
+    self_generated_tokens_reference,
     selfgen_cache_path,
     start_token,
     windows_from_sequences,
@@ -165,3 +168,65 @@ def test_other_architectures(kind: str, tmp_path: Path) -> None:
     cfg = SelfGenConfig(count=2, length=12, seed=3)
     a = self_generated_tokens(model, tok, cfg)
     assert a.shape == (2, 12) and torch.equal(a, self_generated_tokens(model, tok, cfg))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_greedy_default_path_matches_the_reference_twin(kind: str, tmp_path: Path) -> None:
+    """With a greedy nucleus, the default path (all sequences in one batch, a generator per
+    sequence, nucleus from a top-k) gives the reference twin's tokens (batch of 2, one
+    generator, full sort)."""
+    model, tok = load_float_model(build_tiny_checkpoint(kind, tmp_path / kind))
+    cfg = SelfGenConfig(count=5, length=14, seed=0, top_p=1e-9)
+    ref = self_generated_tokens_reference(model, tok, replace(cfg, batch=2))
+    assert torch.equal(self_generated_tokens(model, tok, cfg), ref)
+
+
+def test_sampled_text_does_not_depend_on_the_batch(model_tok: tuple) -> None:
+    """Each sequence draws from its own stream: the batch size changes at most rounding."""
+    model, tok = model_tok
+    cfg = SelfGenConfig(count=5, length=20, seed=2)
+    a = self_generated_tokens(model, tok, cfg)
+    b = self_generated_tokens(model, tok, replace(cfg, batch=2))
+    assert torch.equal(a, b)
+    # the first sequences do not depend on how many follow
+    assert torch.equal(self_generated_tokens(model, tok, replace(cfg, count=2)), a[:2])
+
+
+def test_top_k_nucleus_is_the_full_sort_nucleus() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=g, dtype=torch.float64) * 3
+    # nearly flat (no ties): the nucleus needs most of the vocabulary (a full sort)
+    logits[0] = torch.randn(3000, generator=g, dtype=torch.float64) * 1e-3
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.5, 0.95, 1.0 - 1e-12):
+        full, fidx = probs.sort(dim=-1, descending=True)
+        full = full.masked_fill((full.cumsum(-1) - full) >= top_p, 0.0)
+        for r, (sp, idx) in enumerate(_nucleus_top(probs, top_p)):
+            keep = int((full[r] > 0).sum())
+            assert sp.shape == (keep,) and idx.shape == (keep,)
+            assert set(idx[:keep].tolist()) == set(fidx[r, :keep].tolist())
+            assert torch.equal(sp[:keep], full[r, :keep])
+
+
+def test_rows_sample_the_same_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.05, 0.05, 0.3, 0.6]]))
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draws = torch.stack([sample_rows(logits, 1.0, 0.8, gens) for _ in range(300)])
+    assert set(draws[:, 0].tolist()) == {0, 1} and set(draws[:, 1].tolist()) == {2, 3}
+    share = float((draws[:, 0] == 0).double().mean())
+    assert 0.55 < share < 0.78  # 0.6 / 0.9 = 0.667 of the nucleus
+
+
+def test_progress_counts_tokens(model_tok: tuple) -> None:
+    model, tok = model_tok
+    calls: list[tuple[str, int, int]] = []
+
+    def progress(stage: str, done: int, total: int) -> bool:
+        calls.append((stage, done, total))
+        return True
+
+    self_generated_tokens(model, tok, replace(CFG, batch=2), progress=progress)
+    assert {c[0] for c in calls} == {"generating"}
+    assert calls[0] == ("generating", 0, 3 * 24) and calls[-1] == ("generating", 3 * 24, 3 * 24)
+    dones = [c[1] for c in calls]
+    assert dones == sorted(dones) and len(calls) > 10

@@ -470,6 +470,15 @@ async function renderWebhooks(job) {
   }
 }
 
+// What a running stage's progress counts (docs/api.md); profiling counts layers only with the
+// noise method, which the service does not use by default.
+const STAGE_UNITS = {
+  generating: "tokens",
+  profiling: "windows",
+  quantizing: "layers",
+  measuring: "tensors",
+};
+
 function renderProgress(snap) {
   const p = snap.progress || {};
   const terminal = ["succeeded", "failed", "cancelled"].includes(snap.status);
@@ -487,7 +496,7 @@ function renderProgress(snap) {
   $("job-progress-text").textContent = terminal
     ? ""
     : p.total
-      ? `${p.done} of ${p.total} ${snap.stage === "quantizing" || snap.stage === "profiling" ? "layers" : "steps"}`
+      ? `${p.done} of ${p.total} ${STAGE_UNITS[snap.stage] || "steps"}`
       : "";
 }
 

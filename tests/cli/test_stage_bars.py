@@ -1,0 +1,43 @@
+"""The CLI's progress bars name what each stage counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from higgs_cli.engine_cmds import STAGE_UNITS, StageBars
+
+
+def test_generation_and_profiling_have_their_own_units() -> None:
+    assert STAGE_UNITS["generating"] == "token"
+    assert STAGE_UNITS["profiling"] == "window"
+    assert StageBars(True).units["quantizing"] == "layer"
+    # a noise-injection profile counts layers
+    assert StageBars(True, {"profiling": "layer"}).units["profiling"] == "layer"
+
+
+def test_a_bar_per_stage_with_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tqdm
+
+    made: list[dict[str, object]] = []
+
+    class Bar:
+        def __init__(self, **kw: object) -> None:
+            made.append(kw)
+            self.total = kw.get("total")
+            self.n = 0
+
+        def refresh(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    bars = StageBars(False)
+    for stage, done, total in [("generating", 0, 64), ("generating", 64, 64), ("profiling", 1, 4)]:
+        bars(stage, done, total)
+    bars.close()
+    assert [(m["desc"], m["unit"], m["total"]) for m in made] == [
+        ("generating", "token", 64),
+        ("profiling", "window", 4),
+    ]
