@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -66,6 +67,9 @@ def test_keys_create_revoke_list(tmp_path: Path) -> None:
         r = higgs("keys", "revoke", key, "--data-dir", str(data))
         assert r.returncode == 0, r.stderr
         assert "revoked" in r.stdout
+        # A revocation takes effect within the key cache's TTL (HIGGS_AUTH_CACHE_TTL_S): the
+        # two commands above can finish inside it on a fast machine.
+        time.sleep(settings.auth_cache_ttl_s + 0.1)
         assert_problem(c.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}), 401)
 
     bad = higgs("keys", "revoke", "no-such-key", "--data-dir", str(data))
