@@ -232,9 +232,10 @@ def plain_url(pg_url: str, tmp_path: Path) -> Iterator[str]:
 def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
     plain_url: str, pg_url: str, pg_sessions: sessionmaker[Session]
 ) -> None:
-    """Another connection holds the calibrations and jobs tables locked for 4 s while uploads
-    and submits wait on them: /healthz (no database) still answers at once, because no writing
-    route runs its database work on the event loop."""
+    """Another connection holds the tables the writing routes write (calibrations, jobs,
+    api_keys) locked while uploads, submits, cancels, webhook secret rotations and link requests
+    wait on them: /healthz (no database) still answers at once, because no writing route runs
+    its database work on the event loop."""
     from sqlalchemy import text
 
     base = plain_url
@@ -245,6 +246,9 @@ def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
     with httpx.Client(base_url=base, headers=auth) as c:  # the key is in the API's cache
         assert c.get("/v1/calibrations").status_code == 200
         assert c.get("/healthz").status_code == 200
+        queued = c.post("/v1/jobs", json={"model": {"id": "tiny"}, "target": {"bits": 3}})
+        assert queued.status_code == 202, queued.text
+        job_id = queued.json()["id"]
 
     engine = create_db_engine(pg_url)
     locked = threading.Event()
@@ -252,14 +256,20 @@ def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
 
     def hold_locks() -> None:
         with engine.connect() as conn, conn.begin():
-            conn.execute(text("LOCK TABLE calibrations, jobs IN ACCESS EXCLUSIVE MODE"))
+            conn.execute(text("LOCK TABLE calibrations, jobs, api_keys IN ACCESS EXCLUSIVE MODE"))
             locked.set()
             release.wait(10)
 
     def write(i: int) -> int:
         with httpx.Client(base_url=base, headers=auth, timeout=30) as c:
-            if i % 2:
+            if i % 5 == 1:
                 r = c.post("/v1/calibrations", content=body, headers={"Content-Type": "text/plain"})
+            elif i % 5 == 2:
+                r = c.post(f"/v1/jobs/{job_id}/cancel")
+            elif i % 5 == 3:
+                r = c.post("/v1/webhooks/secret/rotate")
+            elif i % 5 == 4:
+                r = c.post(f"/v1/jobs/{job_id}/artifacts/native/link")
             else:
                 r = c.post("/v1/jobs", json={"model": {"id": "tiny"}, "target": {"bits": 4}})
             return r.status_code
@@ -268,8 +278,8 @@ def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
     holder.start()
     try:
         assert locked.wait(10)
-        with ThreadPoolExecutor(8) as pool:
-            writes = [pool.submit(write, i) for i in range(8)]
+        with ThreadPoolExecutor(10) as pool:
+            writes = [pool.submit(write, i) for i in range(10)]
             time.sleep(0.5)  # the writes are waiting on the locks now
             took = []
             t_end = time.monotonic() + 3
@@ -288,4 +298,8 @@ def test_writes_waiting_on_locked_tables_leave_the_event_loop_free(
         release.set()
         holder.join(10)
         engine.dispose()
-    assert statuses == [202, 201] * 4, statuses
+    # submit, upload, cancel (the queued job; then 409 once cancelled), rotate, link (no
+    # artifact of a cancelled job: 404), twice
+    assert statuses[0] == statuses[5] == 202 and statuses[1] == statuses[6] == 201, statuses
+    assert sorted([statuses[2], statuses[7]]) == [200, 409], statuses
+    assert statuses[3] == statuses[8] == 200 and statuses[4] == statuses[9] == 404, statuses
