@@ -32,6 +32,11 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("dynamic", "dynamic.py"),
     ("datafree_sources", "datafree_sources.py (SmolLM2)"),
     ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
+    ("profile_cost", "profile_cost.py --count 16 --length 96 --repeats 3 (a busy machine)"),
+    (
+        "profile_cost_quiet",
+        "profile_cost.py --count 16 --length 96 --repeats 3 --name profile_cost_quiet",
+    ),
     ("allocator_speed", "allocator_speed.py"),
     ("service_api_quiet", "service_bench.py --api-only --no-sqlite --stem service_api_quiet"),
     ("service_api", "service_bench.py --api-only"),
