@@ -66,13 +66,6 @@ EXTRA_BUDGETS = (3.5, 4.5)
 IMATRIX_TOKENS = 16384  # llama-imatrix's usual budget: 32 chunks of 512
 
 
-def _ftype_label(types: dict[str, Any]) -> str:
-    top: dict[str, int] = {}
-    for t in types.values():
-        top[t.name] = top.get(t.name, 0) + 1
-    return max(sorted(top), key=lambda n: top[n])
-
-
 def file_figures(paths: list[Path]) -> dict[str, Any]:
     g = read_gguf(paths, quantized=True)
     tensor_bytes = g.fixed_bytes + sum(g.bytes_of.values())
@@ -254,7 +247,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     t0 = time.perf_counter()
     t2 = measure_errors(f, GGUF_MENU, threads=args.threads)
     measure_s = time.perf_counter() - t0
-    alphas, missing = tensor_alphas(f, profile.alphas(), tied_output=True)
+    alphas, missing = tensor_alphas(f, profile.alphas())
     problem = build_gguf_problem(f, alphas, t2, GGUF_MENU)
     smallest = (
         problem.min_avg_bits() * f.params_quantizable + 8.0 * f.fixed_bytes

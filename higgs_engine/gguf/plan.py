@@ -237,19 +237,16 @@ def gguf_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, s
     return out
 
 
-def tensor_alphas(
-    f: GgufFile, alphas: dict[str, float], tied_output: bool
-) -> tuple[np.ndarray, list[str]]:
+def tensor_alphas(f: GgufFile, alphas: dict[str, float]) -> tuple[np.ndarray, list[str]]:
     """alpha per quantizable tensor of `f` from a profile's {HF module name: alpha}. A tied
     output head shares token_embd.weight: its sensitivity is already in the embedding's
     (the Fisher gradient of a shared weight sums both uses). Returns (alphas, tensors without
-    a profile entry); those get the largest alpha per weight of any tensor (kept accurate
+    a profile entry); those get the largest alpha of any tensor (kept accurate
     rather than guessed cheap)."""
     names = gguf_names(f.arch, f.n_blocks, list(alphas))
     by_tensor: dict[str, float] = {}
     for hf, g in names.items():
         by_tensor[g] = by_tensor.get(g, 0.0) + float(alphas[hf])
-    del tied_output  # the embedding's alpha already covers the tied head
     missing = [t.name for t in f.tensors if t.name not in by_tensor]
     known = [(by_tensor[t.name], t.numel) for t in f.tensors if t.name in by_tensor]
     if not known:

@@ -185,7 +185,7 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
     unprofiled: list[str] = []
     if run.target is not None:
         profile = _profile(run)
-        alphas, unprofiled = tensor_alphas(gf, profile.alphas(), tied_output=True)
+        alphas, unprofiled = tensor_alphas(gf, profile.alphas())
 
     t0 = time.perf_counter()
     t2 = measure_errors(
