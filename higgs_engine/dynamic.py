@@ -215,7 +215,8 @@ def profile_stores(cache_dir: Path | None = None, out: Path | None = None) -> li
 class ProfileResult:
     profile: Profile
     reused: str | None  # the name of the store it came from; None when measured now
-    seconds: float
+    seconds: float  # all of obtain_profile, generating included
+    generating_s: float = 0.0  # of which sampling self-generated text (0 when none ran)
 
 
 def obtain_profile(
@@ -231,6 +232,7 @@ def obtain_profile(
     progress: ProgressCallback | None = None,
     selfgen_cache: Path | None = None,
     embeddings: bool = False,
+    device: str | None = None,
 ) -> ProfileResult:
     """The profile of `source`'s quantizable layers (less `skip`) for `config` on `text`
     (None = random tokens, data-free); with `embeddings`, of the token embedding and an untied
@@ -238,7 +240,9 @@ def obtain_profile(
 
     The first store holding one the request accepts wins; otherwise it is measured (resuming a
     partial one kept by the stores) and saved to every store. compute=False raises
-    ProfileNotFoundError instead of measuring.
+    ProfileNotFoundError instead of measuring. `device` (None: the CPU; "auto", "cuda[:N]")
+    is where the model generates its text and runs the Fisher passes: the quantization's
+    device, so a GPU job does not profile on the CPU.
     """
     from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.sources import resolve_source
@@ -266,6 +270,11 @@ def obtain_profile(
             f"no cached profile for {src.id!r} (key {request.key}); compute one first"
         )
     model, tok = load_float_model(src.path)
+    if device is not None:
+        from higgs_engine.device import resolve_device
+
+        model.to(resolve_device(device))
+    t_gen = time.perf_counter()
     windows = calibration_windows(
         model,
         tok,
@@ -275,10 +284,11 @@ def obtain_profile(
         cache_dir=selfgen_cache,
         progress=progress,
     )
+    generating_s = time.perf_counter() - t_gen
     prof = compute_profile(
         model,
         names,
-        windows,
+        windows.to(next(model.parameters()).device),
         config,
         model_id=request.model,
         revision=request.revision,
@@ -288,7 +298,7 @@ def obtain_profile(
     )
     for store in stores:
         store.save(prof, request)
-    return ProfileResult(prof, None, time.perf_counter() - t0)
+    return ProfileResult(prof, None, time.perf_counter() - t0, generating_s)
 
 
 def get_profile(
@@ -358,10 +368,11 @@ def plan_dynamic(
     progress: ProgressCallback | None = None,
     revision: str | None = None,
     token: str | None = None,
+    device: str | None = None,
 ) -> DynamicPlan:
     """Profile -> allocate: the stages of run_dynamic before the quantization (a single-worker
     stage; the quantization with the plan's config may then run part by part anywhere).
-    Arguments as run_dynamic's."""
+    Arguments as run_dynamic's; `device` is where the profile is measured."""
     from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.sources import resolve_source
 
@@ -378,6 +389,7 @@ def plan_dynamic(
             revision=revision,
             token=token,
             progress=progress,
+            device=device,
         )
     src = resolve_source(source, revision, token)
     names = quantizable_layers(src.path, base.skip)
@@ -403,7 +415,10 @@ def annotate_dynamic(rep: Report, planned: DynamicPlan, target: Target) -> Repor
     rep.metrics["target"] = target.to_dict()
     rep.timings["allocating"] = planned.allocating_s
     if planned.profile.reused is None:
-        rep.timings["profiling"] = planned.profile.seconds
+        # profiling: the Fisher passes (and loading, resolving); generating: the text they ran on
+        rep.timings["profiling"] = planned.profile.seconds - planned.profile.generating_s
+        if planned.profile.generating_s:
+            rep.timings["generating"] = planned.profile.generating_s
     return rep
 
 
@@ -453,6 +468,7 @@ def run_dynamic(
         progress=progress,
         revision=revision,
         token=token,
+        device=device,
     )
     rep = quantize_checkpoint(
         source,

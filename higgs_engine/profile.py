@@ -352,7 +352,7 @@ def noise_profile_layers(
             for k, t2 in enumerate(config.levels):
                 g = torch.Generator().manual_seed(_noise_seed(config.seed, idx, k))
                 noise = torch.randn(w.shape, generator=g, dtype=torch.float32)
-                w.add_(noise.to(w.dtype), alpha=math.sqrt(t2 * norm2 / numel))
+                w.add_(noise.to(w.device, w.dtype), alpha=math.sqrt(t2 * norm2 / numel))
                 points.append([t2, metric.change(names[idx])])
                 w.copy_(orig)
         finally:
@@ -398,11 +398,11 @@ def fisher_profile_layers(
                 lp = torch.log_softmax(logits, dim=-1)  # (T, vocab)
                 forwards += 1
                 nll += -float(lp.detach().gather(-1, windows[i, 1:].unsqueeze(-1)).sum())
-                probs = lp.detach().exp()
+                # labels drawn on the CPU with the CPU generator, wherever the model runs
+                probs = lp.detach().exp().cpu()
                 for s in range(config.fisher_samples):
-                    y = torch.multinomial(
-                        probs, 1, generator=g
-                    )  # (T, 1) labels drawn from the model
+                    y = torch.multinomial(probs, 1, generator=g).to(lp.device)
+                    # (T, 1) labels drawn from the model
                     grads = torch.autograd.grad(
                         lp.gather(-1, y).sum(), params, retain_graph=s < config.fisher_samples - 1
                     )
@@ -454,7 +454,7 @@ def gauss_newton_cos_layers(
             norms = fd.norm(dim=-1, keepdim=True).clamp(min=1e-12)
             u = fd / norms
             for s in range(config.fisher_samples):
-                z = torch.randn(fd.shape, generator=g, dtype=torch.float64)
+                z = torch.randn(fd.shape, generator=g, dtype=torch.float64).to(fd.device)
                 v = (z - (z * u).sum(-1, keepdim=True) * u) / norms  # P z / |f|, per window
                 grads = torch.autograd.grad(
                     (f * v.to(f.dtype)).sum(),

@@ -288,6 +288,10 @@ def _sample_batch(
         ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.int64)
         mask[r, width - len(s) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # The model runs where its weights are (the CPU or an accelerator); sampling stays on the
+    # CPU with the CPU generators, so a device changes the logits only by rounding.
+    dev = next(model.parameters()).device
+    ids, mask, positions = ids.to(dev), mask.to(dev), positions.to(dev)
     # transformers renamed the key/value cache argument past_key_values -> cache
     cache_kw = (
         "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -308,16 +312,16 @@ def _sample_batch(
         past = getattr(res, "cache", None)
         if past is None:
             past = res.past_key_values
-        logits = res.logits[:, -1, :].float()  # (rows, vocab')
+        logits = res.logits[:, -1, :].float().cpu()  # (rows, vocab')
         if vocab and logits.shape[-1] > vocab:
             logits = logits[:, :vocab]  # padded embedding rows are not tokens
         nxt = draw(logits)  # (rows,)
         sampled[:, k] = nxt
         if on_step is not None:
             on_step(k)
-        step_in = nxt.view(rows, 1)
+        step_in = nxt.view(rows, 1).to(dev)
         step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=dev)], dim=1)
     out = torch.empty(rows, config.length, dtype=torch.int64)
     for r, s in enumerate(starts):
         out[r, : len(s)] = torch.tensor(s, dtype=torch.int64)

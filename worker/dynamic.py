@@ -201,9 +201,10 @@ def plan_dynamic_job(
     menu_p: int | None,
     ps: ProfileSettings,
     progress: ProgressCallback | None,
+    device: str | None = None,
 ) -> DynamicPlan:
     """The engine's plan_dynamic for the job: every layer profiled (one profile serves every
-    job of the model), the job's menu, the service's stores."""
+    job of the model, on the job's device), the job's menu, the service's stores."""
     from higgs_engine.dynamic import plan_dynamic
 
     return plan_dynamic(
@@ -218,6 +219,7 @@ def plan_dynamic_job(
         menu=option_menu(menu_p),
         resolution=ps.resolution,
         progress=progress,
+        device=device,
     )
 
 
@@ -254,7 +256,7 @@ def quantize_dynamic(
     from higgs_engine.pipeline import quantize_checkpoint
 
     planned = plan_dynamic_job(
-        sessions, source, requested_revision, engine_cfg, target, menu_p, ps, progress
+        sessions, source, requested_revision, engine_cfg, target, menu_p, ps, progress, device
     )
     report = quantize_checkpoint(
         source.path, out, planned.config, progress, device=device, calibration=calibration

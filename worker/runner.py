@@ -672,6 +672,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
                     job_menu_p(job_cfg, request),
                     _profiles(cfg),
                     writer,
+                    cfg.device,
                 ).config
             start_fanout(attempt, source, fan_cfg, attempt.dispatch)
             return None

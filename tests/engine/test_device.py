@@ -160,3 +160,35 @@ def test_pipeline_on_cuda_matches_cpu(tmp_path: Path, llama_ckpt: Path) -> None:
     assert b.metrics["device"].startswith("cuda")
     for ra, rb in zip(a.layers, b.layers, strict=True):
         assert ra.name == rb.name and abs(ra.rel_error - rb.rel_error) < 1e-4
+
+
+def _profile_on(ckpt: Path, device: str | None, method: str) -> Any:
+    from higgs_engine.dynamic import obtain_profile
+    from higgs_engine.planning.profile import ProfileConfig
+
+    cfg = ProfileConfig(method=method, context=24, windows=2, fisher_samples=2)
+    return obtain_profile(ckpt, cfg, device=device)
+
+
+@pytest.mark.parametrize("method", ["fisher", "noise"])
+def test_profile_on_an_explicit_cpu_device_is_the_default_profile(
+    llama_ckpt: Path, method: str
+) -> None:
+    # The device path (model moved, windows moved, labels and noise drawn on the CPU) on the
+    # CPU gives exactly the profile of the default path, self-generated text included.
+    a = _profile_on(llama_ckpt, None, method)
+    b = _profile_on(llama_ckpt, "cpu", method)
+    assert a.generating_s > 0 and b.generating_s > 0
+    assert a.profile.alphas() == b.profile.alphas()
+
+
+@cuda
+@pytest.mark.parametrize("method", ["fisher", "noise"])
+def test_profile_on_cuda_matches_cpu(llama_ckpt: Path, method: str) -> None:
+    # Generation and the Fisher / noise passes on the GPU: the same alphas up to rounding
+    # (the text is sampled on the CPU from logits that differ only by float rounding).
+    a = _profile_on(llama_ckpt, "cpu", method).profile.alphas()
+    b = _profile_on(llama_ckpt, "cuda", method).profile.alphas()
+    assert a.keys() == b.keys()
+    for name, alpha in a.items():
+        assert abs(b[name] - alpha) <= 0.05 * abs(alpha) + 1e-12, name
