@@ -176,3 +176,21 @@ def test_dynamic_scope_all_allocates_the_embedding(llama_ckpt: Path, tmp_path: P
     native = _logits(tmp_path / "out" / "native")
     deq = _logits(tmp_path / "out" / "dequantized")
     assert (native - deq).abs().max() < 0.01 * deq.abs().max()
+
+
+def test_a_linear_profile_is_extended_with_the_embedding(llama_ckpt: Path, tmp_path: Path) -> None:
+    """The noise profile of the linear layers, found in the cache, is extended layer by layer
+    when the embedding and head are asked for (not returned without them, nor re-measured)."""
+    from higgs_engine.dynamic import obtain_profile
+
+    cfg = ProfileConfig(method="noise", data_free="random", context=32, windows=2)
+    stores = [ProfileDirectory(tmp_path / "profiles")]
+    lin = obtain_profile(llama_ckpt, cfg, stores=stores).profile
+    got = obtain_profile(llama_ckpt, cfg, stores=stores, embeddings=True)
+    assert got.reused is None  # measured (the missing layers), not taken as it was
+    names = [la.name for la in got.profile.layers]
+    assert names == [la.name for la in lin.layers] + ["model.embed_tokens", "lm_head"]
+    assert got.profile.layers[: len(lin.layers)] == lin.layers
+    again = obtain_profile(llama_ckpt, cfg, stores=stores, embeddings=True)
+    assert again.reused == "cache_dir"
+    assert obtain_profile(llama_ckpt, cfg, stores=stores).reused == "cache_dir"
