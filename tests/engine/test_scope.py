@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import filecmp
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def test_uniform_scope_all(kind: str, tiny_checkpoints: dict[str, Path], tmp_pat
     # the file is what the report says
     assert rep.bytes_after * 8 / rep.params_total == pytest.approx(rep.bits_per_param_total)
 
-    model, _ = load_model(out / "native")
+    model: Any = load_model(out / "native")[0]
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     assert isinstance(emb, HiggsEmbedding) and isinstance(head, HiggsLinear)
@@ -121,7 +122,7 @@ def test_skip_keeps_the_embedding_in_16_bits(llama_ckpt: Path, tmp_path: Path) -
     rows = {r.name: r for r in rep.layers}
     assert rows["model.embed_tokens"].p == 0 and rows["lm_head"].p == 2
     assert rep.metrics["kept_16bit"] == {"model.embed_tokens": "skip pattern"}
-    model, _ = load_model(tmp_path / "out" / "native")
+    model: Any = load_model(tmp_path / "out" / "native")[0]
     assert isinstance(model.get_input_embeddings(), torch.nn.Embedding)
     assert isinstance(model.get_output_embeddings(), HiggsLinear)
     native, deq = _logits(tmp_path / "out" / "native"), _logits(tmp_path / "out" / "dequantized")
@@ -140,7 +141,7 @@ def test_sharded_scope_all_matches_a_single_run(
     assert rows["model.embed_tokens"].p == 2 and rows["lm_head"].p == 2
     single = quantize_checkpoint(llama_ckpt, tmp_path / "single", cfg)
     assert rep.bits_per_param_total == pytest.approx(single.bits_per_param_total)
-    model, _ = load_model(tmp_path / "sharded" / "native")
+    model: Any = load_model(tmp_path / "sharded" / "native")[0]
     assert isinstance(model.get_input_embeddings(), HiggsEmbedding)
     native, deq = _logits(tmp_path / "sharded" / "native"), _logits(tmp_path / "single" / "native")
     assert torch.allclose(native, deq, atol=1e-4)
