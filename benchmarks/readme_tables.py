@@ -30,6 +30,8 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("calibrated_cost", "calibrated_cost.py"),
     ("calibrated_profile", "calibrated_profile.py"),
     ("dynamic", "dynamic.py"),
+    ("scope_smollm2", "scope.py --model smollm2 --threads 1"),
+    ("scope_minilm", "scope.py --model minilm --threads 1"),
     ("datafree_sources", "datafree_sources.py (SmolLM2)"),
     ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
     ("profile_cost", "profile_cost.py --count 16 --length 96 --repeats 3 (a busy machine)"),

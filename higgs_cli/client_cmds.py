@@ -131,6 +131,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         options["formats"] = [f.strip() for f in args.formats.split(",") if f.strip()]
     if args.evaluate is not None:
         options["evaluate"] = args.evaluate
+    if getattr(args, "scope", None) is not None:
+        options["scope"] = args.scope
     if getattr(args, "calibration_tokens", None) is not None:
         if not getattr(args, "calibration", None):
             raise ClientError("--calibration-tokens needs --calibration FILE", 2)
@@ -191,6 +193,8 @@ def _summary_line(job: dict[str, Any]) -> str:
     parts = [f"job {job.get('id')} {job.get('status')}"]
     if bits is not None:
         parts.append(f"{float(bits):.4f} bits/weight")
+    if s.get("bits_per_param_total") is not None:
+        parts.append(f"{float(s['bits_per_param_total']):.3f} bits/param (whole model)")
     if s.get("bytes_before") and s.get("bytes_after"):
         parts.append(f"{s['bytes_before'] / 2**20:.1f} MiB -> {s['bytes_after'] / 2**20:.1f} MiB")
     if s.get("ppl_base") and s.get("ppl_quantized"):
@@ -449,6 +453,12 @@ def register(subparsers: Any) -> None:
         "--formats",
         default=None,
         help="comma separated: native,dequantized (HIGGS), or gguf alone (a llama.cpp file)",
+    )
+    p.add_argument(
+        "--scope",
+        choices=("linear", "all"),
+        default=None,
+        help="linear (default): the linear layers; all: also the token embedding and an untied head",
     )
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")

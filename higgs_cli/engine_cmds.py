@@ -17,6 +17,7 @@ from higgs_engine.planning.config import (
     DEFAULT_SCALE_RULE,
     DEFAULT_SIGN_SEED,
     SCALE_RULES,
+    SCOPES,
 )
 
 
@@ -72,6 +73,14 @@ def register(subparsers: Any) -> None:
         choices=SCALE_RULES,
         default=DEFAULT_SCALE_RULE,
         help=f"how each group's scale is chosen (default {DEFAULT_SCALE_RULE}; rms is the paper's)",
+    )
+    q.add_argument(
+        "--scope",
+        choices=SCOPES,
+        default=None,
+        help="what HIGGS quantizes: linear (the linear layers, the default) or all (also the "
+        "token embedding and an untied output head, at the same bits or allocated like any "
+        "layer); --format gguf always quantizes the embedding",
     )
     q.add_argument(
         "--format",
@@ -236,6 +245,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         skip=skip,
         formats=formats,
         dtype=args.dtype,
+        scope=args.scope or "linear",
     )
     if args.bits is not None and (not math.isfinite(args.bits) or args.bits <= 0):
         raise CliError(f"--bits {args.bits:g} must be a positive number")
@@ -319,6 +329,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_cli import gguf_cmds
 
     if gguf_cmds.wants_gguf(args):
+        if args.scope == "linear":
+            raise CliError(
+                "--scope linear: a gguf file always quantizes the token embedding and the head "
+                "(drop --scope, or give --scope all)"
+            )
         return _quantize_gguf(args)
     cfg = _engine_config(args)  # validate before importing torch
     cal_text = _calibration_text(args)
@@ -368,7 +383,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         how = "HIGGS grids " + ", ".join(f"{g} x{c}" for g, c in sorted(grids.items()))
     lines = [
         f"quantized {quantized} layers of {rep.source.get('architecture')} with {how}"
-        + (f"; {kept} kept in 16 bits" if kept else ""),
+        + (f"; {kept} kept in 16 bits" if kept else "")
+        + (
+            " (token embedding / head: " + ", ".join(rep.metrics["embedding_layers"]) + ")"
+            if rep.metrics.get("embedding_layers")
+            else ""
+        ),
         f"bits per weight {rep.bits_per_weight:.4f} (linear layers, scales and grids included), "
         f"{rep.bits_per_param_total:.3f} over all parameters",
         *(

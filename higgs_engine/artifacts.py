@@ -4,7 +4,10 @@ native/
   model.safetensors   per quantized layer `<module>.higgs.<tensor>` (packed codes, fp16 scales,
                       ... as QuantizedMatrix.to_tensors() names them), one `higgs.grid.p<P>.n<N>`
                       float32 (n, p) tensor per grid used, every other tensor (norms, embeddings,
-                      head, biases, layers kept unquantized) under its own name in 16 bits
+                      head, biases, layers kept unquantized) under its own name in 16 bits.
+                      With scope "all" the token embedding (layer entry "role": "embedding",
+                      loaded as HiggsEmbedding; a tied head computes from the same codes) and
+                      an untied head ("role": "head", a HiggsLinear) are quantized layers too
   config.json         the source config + "quantization_config": {"quant_method": "higgs", ...}
   tokenizer files     copied from the source
 dequantized/
@@ -222,6 +225,8 @@ class ArtifactWriter:
                 "weight_key": e.spec.key,
                 "bias_key": e.spec.bias_key,
                 "transposed": e.spec.transposed,
+                # the token embedding and an output head (scope "all"); linear layers say nothing
+                **({"role": e.spec.role} if e.spec.role != "linear" else {}),
             }
             for name, e in self._layers.items()
         }
@@ -433,7 +438,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model of a native artifact with HiggsLinear layers (on CPU)."""
     from safetensors import SafetensorError
 
-    from higgs_engine.modules import HiggsLinear
+    from higgs_engine.modules import HiggsEmbedding, HiggsLinear
     from higgs_engine.quantize import QuantizedMatrix
 
     raw = _raw_config(path)
@@ -450,6 +455,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     with _params_on_meta():
         model = model_class(config)._from_config(config, dtype=dtype or store_dtype)  # type: ignore[attr-defined]
 
+    tied_head = _tied_head(model)
     handle = _WeightFiles(path)
     wfile = handle.describe
     keys = set(handle.keys())
@@ -467,9 +473,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
                 raise CorruptCheckpointError(f"native artifact has no tensors for layer {name!r}")
             tensors = {k[len(prefix) :]: handle.get_tensor(k) for k in tkeys}
             used.update(tkeys)
-            qmeta = {
-                k: v for k, v in meta.items() if k not in ("weight_key", "bias_key", "transposed")
-            }
+            qmeta = {k: v for k, v in meta.items() if k not in _ENTRY_KEYS}
             q = QuantizedMatrix.from_tensors(tensors, qmeta)
             grid = grids.get(grid_key(q.p, q.n))
             if grid is None:
@@ -478,7 +482,14 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             if meta.get("bias_key"):
                 bias = handle.get_tensor(meta["bias_key"]).to(dtype or store_dtype)
                 used.add(meta["bias_key"])
-            _set_module(model, name, HiggsLinear(q, bias, grid))
+            if meta.get("role") == "embedding":
+                _set_module(model, name, HiggsEmbedding(q, grid, dtype or store_dtype))
+                if tied_head is not None:
+                    # the head tied to the embedding computes with the same codes and scales
+                    _set_module(model, tied_head, HiggsLinear(q, None, grid, tied_to=name))
+            else:
+                _set_module(model, name, HiggsLinear(q, bias, grid))
+        quantized_embedding = any(m.get("role") == "embedding" for m in layers.values())
         model_sd_keys = set(model.state_dict().keys())
         prefix = str(getattr(model, "base_model_prefix", "") or "")
         plain: dict[str, torch.Tensor] = {}
@@ -499,8 +510,10 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         raise CorruptCheckpointError(
             f"native artifact has tensors the model does not: {unexpected[:5]}"
         )
-    # Tied heads are stored once (as the embedding); re-tie after assigning real tensors.
-    model.tie_weights()
+    # Tied heads are stored once (as the embedding); re-tie after assigning real tensors. A
+    # quantized embedding has no dense weight to tie to: its tied head was rebuilt above.
+    if not quantized_embedding:
+        model.tie_weights()
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise CorruptCheckpointError(f"native artifact lacks tensors for {still_meta[:5]}")
@@ -514,10 +527,26 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     return model
 
 
+# A quantization_config layer entry's keys that are not the QuantizedMatrix's meta.
+_ENTRY_KEYS = ("weight_key", "bias_key", "transposed", "role")
+
+
+def _tied_head(model: nn.Module) -> str | None:
+    """The module name of an output head that shares the token embedding's weight, else None."""
+    get_in: Any = getattr(model, "get_input_embeddings", None)
+    get_out: Any = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    w = getattr(emb, "weight", None)
+    if head is None or w is None or getattr(head, "weight", None) is not w:
+        return None
+    return next((n for n, m in model.named_modules() if m is head and n), None)
+
+
 def save_native(model: nn.Module, out_dir: Path) -> Path:
     """Write a model loaded by `load_native` back as a native artifact (same bytes)."""
 
-    from higgs_engine.modules import HiggsLinear
+    from higgs_engine.modules import HiggsEmbedding, HiggsLinear
 
     info = getattr(model, "higgs_artifact", None)
     if info is None:
@@ -535,6 +564,13 @@ def save_native(model: nn.Module, out_dir: Path) -> Path:
         for gname, g in info["grids"].items():
             writer.add(gname, g)
         for name, mod in model.named_modules():
+            if isinstance(mod, HiggsEmbedding) or (
+                isinstance(mod, HiggsLinear) and mod.tied_to is not None
+            ):
+                if isinstance(mod, HiggsEmbedding):
+                    for tname, t in mod.quantized.to_tensors().items():
+                        writer.add(f"{name}.higgs.{tname}", t)
+                continue  # a tied head is stored once, as the embedding
             if isinstance(mod, HiggsLinear):
                 for tname, t in mod.quantized.to_tensors().items():
                     writer.add(f"{name}.higgs.{tname}", t)

@@ -352,6 +352,20 @@ class DynamicResult:
     plan: Plan
 
 
+def allocated_layers(path: Path, config: HiggsConfig) -> list[str]:
+    """The layers the allocator chooses a grid for: the quantizable linear layers less
+    `config.skip`, and with scope "all" the token embedding and an untied output head too (not
+    skipped either), so that the budget counts every quantized parameter."""
+    from higgs_engine.model_structure import embedding_layers, is_skipped, quantizable_layers
+
+    names = quantizable_layers(path, config.skip)
+    if config.scope == "all":
+        names += [
+            n for n in embedding_layers(path) if n not in names and not is_skipped(n, config.skip)
+        ]
+    return names
+
+
 def plan_dynamic(
     source: str | Path,
     target: Target,
@@ -373,7 +387,6 @@ def plan_dynamic(
     """Profile -> allocate: the stages of run_dynamic before the quantization (a single-worker
     stage; the quantization with the plan's config may then run part by part anywhere).
     Arguments as run_dynamic's; `device` is where the profile is measured."""
-    from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.sources import resolve_source
 
     if profile is not None:
@@ -389,10 +402,11 @@ def plan_dynamic(
             revision=revision,
             token=token,
             progress=progress,
+            embeddings=base.scope == "all",
             device=device,
         )
     src = resolve_source(source, revision, token)
-    names = quantizable_layers(src.path, base.skip)
+    names = allocated_layers(src.path, base)
     t1 = time.perf_counter()
     plan = plan_allocation(
         got.profile,
@@ -447,7 +461,8 @@ def run_dynamic(
 
     `profile` is used as given (no lookup); otherwise obtain_profile with `stores` (where
     profiles are found and kept) measures the layers `base` quantizes, or those `profile_skip`
-    leaves (() = every layer, so that one profile serves every job). `menu` is the allocator's
+    leaves (() = every layer, so that one profile serves every job), with the token embedding
+    and an untied head when base.scope is "all" (allocated like any layer). `menu` is the allocator's
     option menu (default: planning.options.option_menu(), every shipped grid and 16-bit).
     With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid).
     """

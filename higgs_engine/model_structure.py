@@ -125,6 +125,9 @@ class LayerSpec:
     in_features: int
     transposed: bool  # True for GPT-2's Conv1D, whose stored weight is (in, out)
     bias_key: str | None
+    # "linear" (a linear layer), "embedding" (the token embedding: (vocab, hidden), one row per
+    # token) or "head" (an output head with its own weight); the last two only with scope "all"
+    role: str = "linear"
 
     @property
     def numel(self) -> int:
@@ -214,6 +217,70 @@ def layer_specs(
     if not specs:
         raise UnsupportedModelError(f"{type(model).__name__} has no linear layers to quantize")
     return specs
+
+
+def embedding_specs(
+    config: PretrainedConfig,
+    checkpoint_keys: Sequence[str] | None = None,
+    *,
+    model: nn.Module | None = None,
+) -> list[LayerSpec]:
+    """The token embedding (role "embedding", an nn.Embedding of (vocab, hidden) seen as a
+    matrix whose rows are tokens) and an output head with its own weight (role "head", an
+    nn.Linear); a head tied to the embedding shares its weight and is not listed. With
+    `checkpoint_keys`, keys are matched to the stored names as in `layer_specs`."""
+    from torch import nn
+
+    m: Any = model if model is not None else build_meta_model(config)
+    prefix = str(getattr(m, "base_model_prefix", "") or "")
+    keys = set(checkpoint_keys) if checkpoint_keys is not None else None
+    names = {id(mod): n for n, mod in m.named_modules()}
+    emb = m.get_input_embeddings()
+    get_out = getattr(m, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    found: list[tuple[str, nn.Module, str]] = []
+    if isinstance(emb, nn.Embedding) and id(emb) in names:
+        found.append((names[id(emb)], emb, "embedding"))
+    if (
+        isinstance(head, nn.Linear)
+        and id(head) in names
+        and (emb is None or head.weight is not getattr(emb, "weight", None))
+    ):
+        found.append((names[id(head)], head, "head"))
+    specs = []
+    for name, mod, role in found:
+        w: torch.Tensor = mod.weight  # type: ignore[assignment]
+        key = f"{name}.weight"
+        bias = getattr(mod, "bias", None)
+        bias_key: str | None = f"{name}.bias" if bias is not None else None
+        if keys is not None:
+            matched = match_key(key, keys, prefix)
+            if matched is None:
+                raise CorruptCheckpointError(f"checkpoint has no tensor for {role} weight {key!r}")
+            key = matched
+            if bias_key is not None:
+                bias_key = match_key(bias_key, keys, prefix)
+        specs.append(
+            LayerSpec(name, key, int(w.shape[0]), int(w.shape[1]), False, bias_key, role=role)
+        )
+    return specs
+
+
+def scope_specs(
+    config: PretrainedConfig, checkpoint_keys: Sequence[str] | None, scope: str
+) -> list[LayerSpec]:
+    """The layers a run of `scope` quantizes: the linear layers, and with scope "all" the token
+    embedding first and an untied output head last (`embedding_specs`)."""
+    model = build_meta_model(config)
+    specs = layer_specs(config, checkpoint_keys, model=model)
+    if scope != "all":
+        return specs
+    extra = embedding_specs(config, checkpoint_keys, model=model)
+    return (
+        [s for s in extra if s.role == "embedding"]
+        + specs
+        + [s for s in extra if s.role != "embedding"]
+    )
 
 
 def is_skipped(name: str, skip: Sequence[str]) -> bool:

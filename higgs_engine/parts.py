@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
-from higgs_engine.model_structure import LayerSpec, layer_specs, load_config
+from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
@@ -140,7 +140,7 @@ def _plans(
 ) -> tuple[list[LayerSpec], list[LayerPlan]]:
     from higgs_engine.pipeline import plan_layers
 
-    specs = layer_specs(hf_config, _all_keys(path))
+    specs = scope_specs(hf_config, _all_keys(path), config.scope)
     return specs, plan_layers(specs, config)
 
 

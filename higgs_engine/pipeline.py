@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.model_structure import LayerSpec, is_skipped, layer_specs, load_config
+from higgs_engine.model_structure import LayerSpec, is_skipped, load_config, scope_specs
 from higgs_engine.output import atomic_output
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -123,6 +123,8 @@ def calibrate_layers(
     from higgs_engine.calibration import run_calibrated
     from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_higgs_many
 
+    # The token embedding and an output head (scope "all") are quantized without data.
+    todo = [pl for pl in todo if pl.spec.role == "linear"]
     grids: dict[str, tuple[int, int]] = {
         pl.spec.name: pl.grid for pl in todo if pl.grid is not None
     }
@@ -278,7 +280,7 @@ def _run(ctx: _RunContext) -> Report:
     report(ctx.progress, "loading", 0, 1)
     hf_config = load_config(src.path)
     with CheckpointReader(src.path) as reader:
-        specs = layer_specs(hf_config, reader.keys())
+        specs = scope_specs(hf_config, reader.keys(), ctx.config.scope)
         plans = plan_layers(specs, ctx.config)
         report(ctx.progress, "loading", 1, 1)
         ctx.timings["loading"] = time.perf_counter() - t0
@@ -478,12 +480,14 @@ def _build_report(
 ) -> Report:
     config = ctx.config
     layers = [written.rows[s.name] for s in specs]
-    lin_numel = sum(s.numel for s in specs)
-    lin_bytes = sum(r.bytes for r in layers) + written.grid_bytes
+    # bits_per_weight stays over the linear layers whatever the scope (the grids counted there)
+    linear = [s for s in specs if s.role == "linear"]
+    lin_numel = sum(s.numel for s in linear)
+    lin_bytes = sum(written.rows[s.name].bytes for s in linear) + written.grid_bytes
     quantized = [r for r in layers if r.p]
     q_numel = sum(r.shape[0] * r.shape[1] for r in quantized)
-    metrics = {
-        "linear_layers": len(layers),
+    metrics: dict[str, Any] = {
+        "linear_layers": len(linear),
         "quantized_layers": len(quantized),
         "kept_16bit": {pl.spec.name: pl.reason for pl in plans if pl.grid is None},
         "grid_bytes": written.grid_bytes,
@@ -498,6 +502,9 @@ def _build_report(
     }
     if written.calibration is not None:
         metrics["calibration"] = written.calibration
+    if config.scope != "linear":
+        metrics["scope"] = config.scope
+        metrics["embedding_layers"] = {s.name: s.role for s in specs if s.role != "linear"}
     return Report(
         bits_per_weight=8.0 * lin_bytes / lin_numel,
         bits_per_param_total=8.0 * written.native_bytes / written.params_total,

@@ -479,6 +479,17 @@ def gauss_newton_cos_layers(
     return out, base_fig, 1, config.fisher_samples
 
 
+def _resumable(old: Profile, names: Sequence[str], config: ProfileConfig) -> bool:
+    """Whether measuring `names` can go on from `old` (same key): a partial profile (as
+    before), or a complete one whose layers are the first of `names` (e.g. the linear layers'
+    profile when the embedding and head are asked for too) under the noise method, which
+    measures layer by layer; anything else is measured from the start."""
+    if not old.complete:
+        return True
+    done = [la.name for la in old.layers]
+    return config.method == "noise" and done == list(names[: len(done)])
+
+
 def compute_profile(
     model: nn.Module,
     names: Sequence[str],
@@ -518,9 +529,11 @@ def compute_profile(
         except CorruptCheckpointError:
             old = None
         if old is not None and old.key() == key:
-            if old.complete:
+            if old.complete and set(names) <= {la.name for la in old.layers}:
                 return old
-            prof = old
+            if _resumable(old, names, config):
+                old.complete = False  # a complete profile of fewer layers is extended
+                prof = old
     start = time.perf_counter()
     spent = float(prof.cost.get("seconds", 0.0))
     fw0 = int(prof.cost.get("forward_passes", 0))

@@ -16,7 +16,13 @@ from pydantic import (
     model_validator,
 )
 
-from higgs_engine.planning.config import DEFAULT_SCALE_RULE, DEFAULT_SIGN_SEED, ScaleRule
+from higgs_engine.planning.config import (
+    DEFAULT_SCALE_RULE,
+    DEFAULT_SCOPE,
+    DEFAULT_SIGN_SEED,
+    ScaleRule,
+    Scope,
+)
 from higgs_engine.planning.layout import is_power_of_two
 
 # native / dequantized: HIGGS artifacts (the default pair); gguf: one file for llama.cpp, in
@@ -206,6 +212,13 @@ class Options(Strict):
         description="how each scale group's scale is chosen: rms (the paper's), mse (the "
         "multiplier of the RMS scale with the smallest group error), unbiased (error orthogonal "
         "to the weights), mse-unbiased (both)",
+    )
+    scope: Scope = Field(
+        default=DEFAULT_SCOPE,
+        description="what HIGGS quantizes: linear (the linear layers; the token embedding and "
+        "an untied output head stay 16-bit) or all (those too: at the same bits for target.bits, "
+        "allocated like any layer for a dynamic target, the budget counting every quantized "
+        "parameter). A gguf job always quantizes the embedding: all or omitted, not linear",
     )
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     calibration: str | None = Field(

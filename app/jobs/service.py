@@ -103,6 +103,8 @@ def validate_request(
         "sign_seed": opts.sign_seed,
         "scale_rule": opts.scale_rule,
         "seed": opts.seed,
+        # a GGUF job quantizes the embedding in llama.cpp's types; its HIGGS config is unused
+        "scope": "linear" if gguf else opts.scope,
     }
     check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
@@ -145,6 +147,8 @@ def validate_request(
             raise ValidationFailedError.field("webhook_url", str(e)) from e
 
     request = req.model_dump(mode="json")
+    if request["options"].get("scope") == "linear":
+        del request["options"]["scope"]  # the default: the stored request (and hash) as before
     if request.get("webhook_url") is None:
         request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
@@ -170,6 +174,12 @@ def check_gguf_request(req: JobCreate, ref: ModelSource, registry: LocalNames | 
     from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
 
     opts = req.options
+    if "scope" in opts.model_fields_set and opts.scope != "all":
+        raise ValidationFailedError.field(
+            "options.scope",
+            f"options.scope={opts.scope!r}: a gguf file always quantizes the token embedding "
+            "and the output head in llama.cpp's types; omit options.scope (or give all)",
+        )
     if len(opts.formats) > 1:
         raise ValidationFailedError.field(
             "options.formats",

@@ -21,6 +21,11 @@ FORMATS = ("native", "dequantized")
 # Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
 ScaleRule = Literal["rms", "mse", "unbiased", "mse-unbiased"]
 SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
+# What a HIGGS run quantizes: "linear" = the linear layers (the token embedding and an output
+# head stay 16-bit); "all" = those and the token embedding and an untied output head too.
+Scope = Literal["linear", "all"]
+SCOPES: tuple[str, ...] = get_args(Scope)
+DEFAULT_SCOPE: Scope = "linear"
 
 
 def code_bits(p: int, n: int) -> float:
@@ -81,6 +86,8 @@ class HiggsConfig:
     dtype: str = "float16"
     seed: int = 0
     version: int = field(default=CONFIG_VERSION)
+    # SCOPES: "all" also quantizes the token embedding (rows = tokens) and an untied head.
+    scope: str = DEFAULT_SCOPE
 
     def __post_init__(self) -> None:
         check_grid(self.p, self.n)
@@ -120,6 +127,10 @@ class HiggsConfig:
         if self.version != CONFIG_VERSION:
             raise InvalidConfigError(
                 f"config version {self.version} is not {CONFIG_VERSION}", field="version"
+            )
+        if self.scope not in SCOPES:
+            raise InvalidConfigError(
+                f"scope={self.scope!r} must be one of {list(SCOPES)}", field="scope"
             )
 
     @property
@@ -189,6 +200,9 @@ class HiggsConfig:
         d["skip"] = list(self.skip)
         d["formats"] = list(self.formats)
         d["overrides"] = [asdict(o) for o in self.overrides]
+        if self.scope == DEFAULT_SCOPE:
+            # a linear-only config keeps the exact shape (and artifacts, hashes) it always had
+            del d["scope"]
         return d
 
     @classmethod

@@ -149,6 +149,22 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
             "options.formats",
         ),
         (
+            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"scope": "embeddings"}},
+            "options.scope",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"avg_bits": 4}, "options": {"scope": None}},
+            "options.scope",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 4},
+                "options": {"formats": ["gguf"], "scope": "linear"},
+            },
+            "options.scope",
+        ),
+        (
             {"model": {"id": "tiny"}, "target": {"bits": 2}, "options": {"p": 1, "n": 16}},
             "options.p",
         ),
@@ -183,6 +199,31 @@ def test_invalid_requests_are_422_naming_the_field(
     assert problem["detail"]
     with sessions() as s:  # nothing was created
         assert s.scalars(select(Job)).all() == []
+
+
+def test_scope_reaches_the_engine_config(client: TestClient, auth: dict[str, str]) -> None:
+    """options.scope "all" is carried in the job's engine config; the default (omitted or
+    given) leaves the stored request and engine config exactly as they were before the option
+    existed; a gguf job accepts "all" (it always quantizes the embedding)."""
+    r = submit(client, auth, {**BODY, "options": {"scope": "all"}})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["config"]["engine"]["scope"] == "all"
+    assert job["request"]["options"]["scope"] == "all"
+    dyn = {"model": {"id": "tiny"}, "target": {"avg_bits": 4}, "options": {"scope": "all"}}
+    r = submit(client, auth, dyn)
+    assert r.status_code == 202, r.text
+    assert r.json()["config"]["engine"]["scope"] == "all"
+    for options in ({}, {"scope": "linear"}):
+        r = submit(client, auth, {**BODY, "options": options})
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert "scope" not in job["config"]["engine"]
+        assert "scope" not in job["request"]["options"]
+    gguf = {**BODY, "options": {"formats": ["gguf"], "scope": "all"}}
+    r = submit(client, auth, gguf)
+    assert r.status_code == 202, r.text
+    assert r.json()["config"]["gguf"] is True
 
 
 def test_dynamic_targets_switched_off_are_a_clear_422(

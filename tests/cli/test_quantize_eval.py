@@ -220,3 +220,21 @@ def test_top_level_help_is_light() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "quantize" in res.stdout and "--rotation-block" in res.stdout
+
+
+def test_quantize_scope_all_and_its_gguf_rule(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    res = run(
+        "quantize", str(llama_ckpt), "--out", str(out), "--bits", "3", "--scope", "all",
+        "--format", "native", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "(token embedding / head: model.embed_tokens, lm_head)" in res.stdout
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["config"]["scope"] == "all"
+    assert {r["name"] for r in rep["layers"]} >= {"model.embed_tokens", "lm_head"}
+    bad = run("quantize", str(llama_ckpt), "--out", str(tmp_path / "g"), "--format", "gguf",
+              "--bits", "4", "--scope", "linear")  # fmt: skip
+    assert_one_line_error(bad, "--scope linear", "gguf")
+    bad = run("quantize", str(llama_ckpt), "--out", str(tmp_path / "x"), "--scope", "some")
+    assert bad.returncode == 2 and "--scope" in bad.stderr

@@ -145,6 +145,22 @@ def test_flow_on_redis_and_postgres(stack_factory: Any, tmp_path: Path) -> None:
         layers = c.get(f"/v1/jobs/{job_id}/layers")
         assert layers.status_code == 200
 
+        # scope=all through the client verb: the embedding is quantized, the whole model is
+        # smaller, and the downloaded native artifact loads and runs.
+        res = stack.run(
+            [*HIGGS, "submit", MODEL, "--bits", "4", "--scope", "all"]
+            + ["--url", stack.url, "--key", key],
+        )
+        all_id = res.stdout.strip().splitlines()[-1]
+        done = poll(c, all_id, terminal, stack=stack)
+        assert done["status"] == "succeeded", done
+        assert done["config"]["engine"]["scope"] == "all"
+        total = done["summary"]["bits_per_param_total"]
+        assert total < 0.7 * job["summary"]["bits_per_param_total"]
+        rows = {r["name"]: r for r in c.get(f"/v1/jobs/{all_id}/layers").json()["data"]}
+        assert rows["model.embed_tokens"]["p"] == 2
+        check_download_and_load(stack, c, key, all_id, tmp_path / "dl-all")
+
 
 def test_flow_on_the_embedded_default(stack_factory: Any, tmp_path: Path) -> None:
     stack = stack_factory("local")

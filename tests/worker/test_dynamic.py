@@ -320,3 +320,34 @@ def test_cancel_during_profiling_stops_between_layers_and_resumes_later(
     assert seen and seen[0] == (kept, total)
     assert len(_profiles(sessions)) == 1
     assert Path(partial[0]).is_file()
+
+
+def test_scope_all_job_allocates_the_embedding_after_a_linear_job(
+    dyn_settings: Settings,
+    sessions: sessionmaker[Session],
+    dyn_cfg: RunnerConfig,
+    profile_runs: list[int],
+) -> None:
+    """options.scope "all" reaches the worker: the token embedding and the untied head are
+    profiled (a linear job's profile lacks them, so it is measured again and stored), allocated
+    within the budget and quantized; the whole-model bits per parameter drop below the linear
+    job's, and a later linear job reuses the profile that covers more layers."""
+    linear = create_job(sessions, dyn_settings, AVG)
+    assert run_job(sessions, linear, dyn_cfg).status == "succeeded"
+    body = {**AVG, "options": {**NATIVE, "scope": "all"}}
+    job_id = create_job(sessions, dyn_settings, body)
+    out = run_job(sessions, job_id, dyn_cfg)
+    assert out.status == "succeeded", out.detail
+    assert profile_runs == [1, 1]
+    job, lin = _job(sessions, job_id), _job(sessions, linear)
+    rep = Report.from_dict(job.report or {})
+    rows = {la.name: la for la in rep.layers}
+    assert {"model.embed_tokens", "lm_head"} <= set(rep.metrics["allocation"]["layers"])
+    assert rows["model.embed_tokens"].alpha is not None
+    assert rep.metrics["scope"] == "all" and rep.metrics["allocation"]["avg_bits"] <= 3.5
+    assert {la.name for la in job.layers} == set(rows)
+    assert job.summary is not None and lin.summary is not None
+    assert job.summary["bits_per_param_total"] < 0.7 * lin.summary["bits_per_param_total"]
+    again = create_job(sessions, dyn_settings, {**AVG, "options": {**NATIVE, "seed": 1}})
+    assert run_job(sessions, again, dyn_cfg).status == "succeeded"
+    assert profile_runs == [1, 1]

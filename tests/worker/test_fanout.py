@@ -158,6 +158,36 @@ def test_fanned_out_job_equals_a_single_run(
     assert files_under(settings.artifacts_path / ".staging") == []
 
 
+def test_fanned_out_scope_all_job_equals_a_single_run(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    runner_cfg: RunnerConfig,
+    models_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """options.scope "all" over parts: the parts holding the embedding and the head quantize
+    them, and the published files are those of one in-process run with the same config."""
+    job_id = create_job(sessions, settings, {**BODY, "options": {"scope": "all"}})
+    d = Dispatcher()
+    assert run_job(sessions, job_id, runner_cfg, dispatch=d).status == "fanned_out"
+    (_, attempt, idxs) = d.sent[0]
+    assert job_row(sessions, job_id).progress_total == 14 + 2  # linear layers, embedding, head
+    for i in idxs:
+        assert run_part(sessions, job_id, attempt, i, runner_cfg, "w").status == "succeeded"
+    assert assemble(sessions, job_id, attempt, runner_cfg, worker_id="asm").status == "succeeded"
+    job = job_row(sessions, job_id)
+    assert job.status == "succeeded" and job.report is not None
+    assert _engine_cfg(job).scope == "all"
+    assert job.report["metrics"]["embedding_layers"] == {
+        "model.embed_tokens": "embedding",
+        "lm_head": "head",
+    }
+    single = tmp_path / "single"
+    quantize_checkpoint(models_dir / MODEL, single, _engine_cfg(job))
+    want = {k: v for k, v in digests(single).items() if k != "report.json"}
+    assert published(sessions, job_id) == want
+
+
 def test_assembly_fails_when_a_parts_file_is_not_as_recorded(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
 ) -> None:
