@@ -219,6 +219,12 @@ class ProfileResult:
     generating_s: float = 0.0  # of which sampling self-generated text (0 when none ran)
 
 
+def _mark_embeddings(prof: Profile, emb_names: Sequence[str]) -> None:
+    """Record which of the profile's layers are the embedding / untied head."""
+    have = {la.name for la in prof.layers}
+    prof.embeddings = [n for n in emb_names if n in have]
+
+
 def obtain_profile(
     source: str | Path,
     config: ProfileConfig = DEFAULT_PROFILE,
@@ -244,16 +250,15 @@ def obtain_profile(
     is where the model generates its text and runs the Fisher passes: the quantization's
     device, so a GPU job does not profile on the CPU.
     """
-    from higgs_engine.model_structure import quantizable_layers
+    from higgs_engine.model_structure import embedding_layers, quantizable_layers
     from higgs_engine.sources import resolve_source
 
     t0 = time.perf_counter()
     src = resolve_source(source, revision, token)
     names = quantizable_layers(src.path, skip)
+    emb_names = embedding_layers(src.path)
     if embeddings:
-        from higgs_engine.model_structure import embedding_layers
-
-        names = [*names, *(n for n in embedding_layers(src.path) if n not in names)]
+        names = [*names, *(n for n in emb_names if n not in names)]
     config = profile_config_for(src.path, config)
     request = ProfileRequest(
         model=src.id,
@@ -264,6 +269,7 @@ def obtain_profile(
     )
     found = find_profile(stores, request)
     if found is not None:
+        _mark_embeddings(found[0], emb_names)
         return ProfileResult(found[0], found[1].name, time.perf_counter() - t0)
     if not compute:
         raise ProfileNotFoundError(
@@ -296,6 +302,7 @@ def obtain_profile(
         partial_path=resume_path(stores, request),
         progress=progress,
     )
+    _mark_embeddings(prof, emb_names)
     for store in stores:
         store.save(prof, request)
     return ProfileResult(prof, None, time.perf_counter() - t0, generating_s)

@@ -95,8 +95,11 @@ def compute_plan(
     p: int | None = None,
     resolution: float = 1e-4,
     pareto_step: float = 0.05,
+    scope: str = "linear",
 ) -> dict[str, Any]:
-    """The Pareto curve and (with a target) the per-layer allocation, from a stored profile.
+    """The Pareto curve and (with a target) the per-layer allocation, from a stored profile:
+    over its linear layers (scope "linear"), or over the embedding and head too when the
+    profile has them (scope "all", as a job with options.scope "all" allocates).
 
     Raises ValidationFailedError naming target.<kind> when the target is infeasible for this
     model, HiggsError when the profile cannot be used."""
@@ -105,13 +108,17 @@ def compute_plan(
     from higgs_engine.planning.profile import Profile
 
     profile = Profile.from_dict(profile_data)
-    base = HiggsConfig(group_size=group_size, rotation_block=rotation_block, dtype=dtype)
+    base = HiggsConfig(
+        group_size=group_size, rotation_block=rotation_block, dtype=dtype, scope=scope
+    )
+    names = [la.name for la in profile.layers] if scope == "all" else profile.linear_layers()
     eng_target = Target(**target) if target else None
     try:
         plan = plan_allocation(
             profile,
             base,
             eng_target,
+            names=names,
             options=option_menu(p),
             resolution=resolution,
             pareto_step=pareto_step,

@@ -32,6 +32,11 @@ class PlanOptions(Strict):
         default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    scope: Literal["linear", "all"] = Field(
+        default="linear",
+        description="linear: the linear layers (the default); all: the token embedding and "
+        "an untied head too, when the model's profile has them",
+    )
 
 
 class PlanCreate(Strict):
@@ -121,6 +126,7 @@ def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -
         dtype=opts.dtype,
         p=opts.p,
         resolution=settings.plan_resolution,
+        scope=opts.scope,
     )
     cfg = data["config"]
     return {
@@ -132,6 +138,7 @@ def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -
             "calibration": data.get("calibration"),
             "tokens": row.token_budget,
             "layers": len(data.get("layers", [])),
+            "embedding_layers": list(data.get("embeddings", [])),
             "created_at": row.created_at.isoformat(),
             "cost": data.get("cost"),
         },

@@ -162,6 +162,14 @@ class Profile:
     cost: dict[str, float]  # {"forward_passes", "backward_passes", "seconds"}
     complete: bool
     version: int = PROFILE_VERSION
+    # Which of `layers` are the token embedding / an untied output head (profiled for GGUF files
+    # and scope="all"), so that a plan for the linear layers alone can leave them out.
+    embeddings: list[str] = field(default_factory=list)
+
+    def linear_layers(self) -> list[str]:
+        """Names of the profiled layers that are not embeddings, in profile order."""
+        emb = set(self.embeddings)
+        return [la.name for la in self.layers if la.name not in emb]
 
     @property
     def metric(self) -> str:

@@ -232,3 +232,33 @@ def test_plan_options_are_checked_like_a_jobs_once_a_profile_exists(
         headers=auth,
     )
     assert_problem(job, 422, field)
+
+
+def test_plan_scope_leaves_out_or_includes_the_embedding(
+    client: TestClient, auth: dict[str, str], sessions: sessionmaker[Session]
+) -> None:
+    # A profile measured for a GGUF or scope="all" job also holds the embedding: a plan for the
+    # linear layers (the default scope) leaves it out, scope "all" allocates it too.
+    prof = profile_dict()
+    prof["layers"].append(
+        {
+            "name": "model.embed_tokens",
+            "shape": [4096, 256],
+            "alpha": 0.5,
+            "points": [],
+            "tr_fisher": None,
+        }
+    )
+    prof["embeddings"] = ["model.embed_tokens"]
+    store(sessions, prof)
+    lin = plan(client, auth, target={"avg_bits": 3.5})
+    assert lin.status_code == 200, lin.text
+    names = [r["name"] for r in lin.json()["allocation"]["layers"]]
+    assert names == [f"layers.{i}.proj" for i in range(len(SHAPES))]
+    assert lin.json()["profile"]["embedding_layers"] == ["model.embed_tokens"]
+    both = plan(client, auth, target={"avg_bits": 3.5}, options={"scope": "all"})
+    assert both.status_code == 200, both.text
+    names = [r["name"] for r in both.json()["allocation"]["layers"]]
+    assert "model.embed_tokens" in names and len(names) == len(SHAPES) + 1
+    bad = plan(client, auth, target={"avg_bits": 3.5}, options={"scope": "some"})
+    assert bad.status_code == 422 and "options.scope" in bad.text
