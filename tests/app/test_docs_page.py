@@ -35,6 +35,7 @@ def test_docs_page_and_its_assets_are_served_from_this_origin(client: TestClient
     assert client.get("/redoc").status_code == 404
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing")
 def test_docs_page_renders_in_a_browser_under_the_csp(settings: Settings) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
