@@ -382,3 +382,18 @@ def rotation_error(q: torch.Tensor) -> float:
     """max |Q^T Q - I| (a check of orthogonality)."""
     eye = torch.eye(q.shape[0], dtype=q.dtype)
     return float((q.T @ q - eye).abs().max()) if q.numel() else math.nan
+
+
+def rotated_alphas(alphas: Mapping[str, float], *, untied: bool) -> dict[str, float]:
+    """The profile alphas ({HF module name: alpha}, measured on the unrotated model) for the
+    rotated one. A rotation maps isotropic relative noise to the same relative noise, so each
+    tensor keeps its alpha. A head that the rotation untied has no entry of its own: the tied
+    tensor's alpha covers both uses (the Fisher of a shared weight sums them), and each of the
+    two rotated tensors gets all of it (an upper bound for either, so the rotated file's
+    prediction errs on the pessimistic side)."""
+    out = dict(alphas)
+    if untied and "lm_head" not in out:
+        emb = next((k for k in sorted(out) if k.endswith("embed_tokens")), None)
+        if emb is not None:
+            out["lm_head"] = out[emb]
+    return out

@@ -156,3 +156,79 @@ def test_rotated_checkpoint_converts_and_runs_in_llama_cpp(tmp_path: Path) -> No
     with LlamaModel(plain, n_ctx=32) as a, LlamaModel(rot, n_ctx=32) as b:
         ref, got = a.logits(TOKENS), b.logits(TOKENS)
     assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# The GGUF run with rotate = on / auto
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = build_gguf_llama(tmp_path_factory.mktemp("rot") / "tied", tie_word_embeddings=True)
+    _randomize_norms(ckpt)
+    return ckpt
+
+
+def test_rotate_on_pays_for_the_untied_head(tied_llama: Path, tmp_path: Path) -> None:
+    from higgs_engine.gguf.plan import read_gguf
+    from higgs_engine.gguf.run import GgufEvalRequest, GgufRun, quantize_gguf
+    from higgs_engine.planning.plans import Target
+    from tests.engine.test_gguf import TINY_PROFILE
+    from tests.fixtures import TINY_TEXT
+
+    rep = quantize_gguf(
+        GgufRun(
+            tied_llama,
+            tmp_path / "out",
+            target=Target(avg_bits=4.5),
+            profile_config=TINY_PROFILE,
+            rotate="on",
+            evaluate=GgufEvalRequest(TINY_TEXT * 8, "tiny", context=32, windows=2),
+        )
+    )
+    m = rep.metrics
+    assert m["rotated"] and m["rotate"] == "on" and rep.config["rotate"] == "on"
+    assert m["rotation"]["untied_head"] and m["rotation"]["added_params"] == 320 * 256
+    files = sorted((tmp_path / "out" / "gguf").glob("*.gguf"))
+    written = read_gguf(files, quantized=True)
+    assert "output.weight" in written.types
+    # the budget is the unrotated file's: 4.5 bits over the unrotated parameter count
+    assert m["bits_per_unrotated_weight"] <= 4.5 + 1e-9
+    assert rep.bits_per_weight < m["bits_per_unrotated_weight"]
+    assert m["kl"] >= 0 and m["ppl_quantized"] > 0 and m["predicted_change"] > 0
+
+
+def test_rotate_auto_keeps_the_lower_prediction(tied_llama: Path, tmp_path: Path) -> None:
+    from higgs_engine.gguf.run import GgufRun, quantize_gguf
+    from higgs_engine.planning.plans import Target
+    from tests.engine.test_gguf import TINY_PROFILE
+
+    rep = quantize_gguf(
+        GgufRun(
+            tied_llama,
+            tmp_path / "out",
+            target=Target(avg_bits=5.0),
+            profile_config=TINY_PROFILE,
+            rotate="auto",
+        )
+    )
+    m = rep.metrics
+    r = m["rotation"]
+    plain, rot = r["predicted_change_plain"], r["predicted_change_rotated"]
+    assert m["rotated"] == (rot < plain)
+    assert m["predicted_change"] == pytest.approx(min(plain, rot))
+    assert r["tensor_bytes_rotated"] <= 5.0 * r["params_unrotated"] / 8 + 1e-6
+
+
+def test_rotate_is_refused_or_skipped_outside_the_llama_family(tmp_path: Path) -> None:
+    from higgs_engine.gguf.run import GgufRun, quantize_gguf
+    from tests.fixtures import build_tiny_encoder
+
+    bert = build_tiny_encoder(tmp_path / "bert")
+    with pytest.raises(InvalidConfigError, match="BertModel") as e:
+        quantize_gguf(GgufRun(bert, tmp_path / "out", bits=8, rotate="on"))
+    assert e.value.field == "rotate"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InvalidConfigError, match="rotate='sideways'"):
+        GgufRun(bert, tmp_path / "out", bits=8, rotate="sideways")
