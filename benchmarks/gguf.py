@@ -510,8 +510,13 @@ def render(res: dict[str, Any]) -> str:
             }
         )
     base = res["base"]
+    title = (
+        " (rotation comparison; llama.cpp's mixtures give the budgets, not evaluated here)"
+        if res.get("rotation_only")
+        else ""
+    )
     head = (
-        f"### GGUF in llama.cpp: {res['model']} ({res['checkpoint']})\n\n"
+        f"### GGUF in llama.cpp{title}: {res['model']} ({res['checkpoint']})\n\n"
         f"Every file evaluated in llama.cpp (llama-cpp-python {res['llama_cpp']}) against the "
         f"16-bit GGUF of the same checkpoint; "
         + (
@@ -653,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             windows=args.windows,
             context=args.context,
             sentences=args.sentences,
+            rotation_only=args.rotation_only,
         )
         md = render(res)
         stem = f"gguf_rotation_{name}" if args.rotation_only else f"gguf_{name}"
