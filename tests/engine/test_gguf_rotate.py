@@ -232,3 +232,24 @@ def test_rotate_is_refused_or_skipped_outside_the_llama_family(tmp_path: Path) -
     assert not (tmp_path / "out").exists()
     with pytest.raises(InvalidConfigError, match="rotate='sideways'"):
         GgufRun(bert, tmp_path / "out", bits=8, rotate="sideways")
+
+
+def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_path: Path) -> None:
+    from higgs_engine.gguf.run import GgufRun, quantize_gguf
+    from higgs_engine.planning.plans import Target
+    from tests.engine.test_gguf import TINY_PROFILE
+
+    rep = quantize_gguf(
+        GgufRun(
+            tied_llama,
+            tmp_path / "ppl",
+            target=Target(max_ppl_increase=0.05),
+            profile_config=TINY_PROFILE,
+            rotate="auto",
+        )
+    )
+    r = rep.metrics["rotation"]
+    assert rep.metrics["rotated"] == (r["tensor_bytes_rotated"] < r["tensor_bytes_plain"])
+    # without a planning target there is nothing to compare: auto stays unrotated
+    rep = quantize_gguf(GgufRun(tied_llama, tmp_path / "bits", bits=8, rotate="auto"))
+    assert not rep.metrics["rotated"] and "rotation" not in rep.metrics
