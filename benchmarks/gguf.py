@@ -588,8 +588,19 @@ def render_rotation(res: dict[str, Any]) -> str:
     head = (
         f"Rotation ({rot['plan']['rotation']}, per-head V/O: {rot['plan']['per_head_vo']}, "
         f"head untied: {rot['plan']['untied_head']}, +{rot['added_params']} parameters); "
-        "each rotated file holds at most the tensor bytes of the unrotated one at the same "
-        "budget. auto keeps the file with the lower predicted change.\n\n"
+        "at each budget B the rotated file gets the unrotated file's tensor-byte budget, "
+        "B x (unrotated parameters) / 8, so its own bits per weight are lower; both files are "
+        "evaluated against the unrotated 16-bit file. auto keeps the file with the lower "
+        "predicted change."
+        + (
+            " Budgets below the smallest rotated file "
+            f"({rot['smallest_file_bpw_rotated'] * rot['params_rotated'] / rot['params_plain']:.3f}"
+            f" bits per unrotated weight) were not run rotated: "
+            f"{rot['budgets_below_smallest_rotated']}."
+            if rot["budgets_below_smallest_rotated"]
+            else ""
+        )
+        + "\n\n"
     )
     return (
         "Rotation:\n\n"
@@ -633,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the rotation comparison (no imatrix, llama.cpp mixtures not evaluated); "
         "writes gguf_rotation_<model>.*",
     )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="measure nothing: rewrite the .md beside a results JSON this script wrote",
+    )
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument(
         "--profile-cache",
@@ -641,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's profile cache (default: the CLI's, ~/.cache/higgs/profiles)",
     )
     args = ap.parse_args(argv)
+    if args.render is not None:
+        res = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(render(res).rstrip() + "\n")
+        return 0
     if args.profile_cache is None:
         from higgs_cli.dynamic_cmds import default_profile_cache
 
