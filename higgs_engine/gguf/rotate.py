@@ -85,7 +85,7 @@ def seeded_signs(n: int, seed: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rotation:
-    """Q = diag(signs) (block (x) H_h) / as in the module docstring; float64."""
+    """Q = diag(signs) (block (x) H_h), as in the module docstring; float64."""
 
     hidden: int
     hadamard: int  # h, a power of two
@@ -165,6 +165,7 @@ class RotationPlan:
     norms: Mapping[str, torch.Tensor]  # "<layer prefix>input_layernorm" / ... / "final" -> g
     embed_key: str
     head_key: str
+    final_norm_key: str
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -229,6 +230,7 @@ def make_plan(
         norms=norms,
         embed_key=embed,
         head_key=head_key,
+        final_norm_key=final,
     )
 
 
@@ -259,9 +261,7 @@ def transform(plan: RotationPlan, key: str, t: torch.Tensor) -> dict[str, torch.
         if plan.tied:
             return {}  # written from the embedding
         return {key: rot.right(x * plan.norms["final"][None, :])}
-    if key.endswith("norm.weight") and key == plan.embed_key.removesuffix("embed_tokens.weight") + (
-        "norm.weight"
-    ):
+    if key == plan.final_norm_key:
         return {key: torch.ones_like(x)}
     m = _LAYER.match(key)
     if m is None:
@@ -304,20 +304,12 @@ def rotate_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The rotated model's tensors (float64) from an in-memory state dict; load them into a
     model built from `untied_config(cfg)`."""
-    keys = set(state)
-    if not bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in keys:
-        pass
-    elif torch.equal(state["lm_head.weight"], state[_embed_key(keys)]):
-        keys.discard("lm_head.weight")  # a tied model's state dict lists the shared head too
+    keys = set(state)  # a tied model's state dict may list the shared head: it is skipped
     plan = make_plan(cfg, keys, lambda k: state[k], seed=seed, heads=heads)
     out: dict[str, torch.Tensor] = {}
     for k in sorted(keys):
         out.update(transform(plan, k, state[k]))
     return out
-
-
-def _embed_key(keys: set[str]) -> str:
-    return next((k for k in sorted(keys) if k.endswith("embed_tokens.weight")), "")
 
 
 def untied_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
