@@ -331,12 +331,33 @@ class RotatedCheckpoint:
     added_params: int  # parameters the untied head adds
 
 
+def _transform_rows(
+    plan: RotationPlan, key: str, t: torch.Tensor, row_chunk: int
+) -> dict[str, torch.Tensor]:
+    """`transform` as float32; the embedding and the head (rows independent, the largest
+    tensors) `row_chunk` rows at a time, so that no float64 copy of a whole vocab matrix is
+    ever made."""
+    if key not in (plan.embed_key, plan.head_key) or t.shape[0] <= row_chunk:
+        return {n: y.to(torch.float32) for n, y in transform(plan, key, t).items()}
+    parts: dict[str, list[torch.Tensor]] = {}
+    for i in range(0, t.shape[0], row_chunk):
+        for n, y in transform(plan, key, t[i : i + row_chunk]).items():
+            parts.setdefault(n, []).append(y.to(torch.float32))
+    return {n: torch.cat(v) for n, v in parts.items()}
+
+
 def write_rotated_checkpoint(
-    src: Path, dst: Path, *, seed: int = DEFAULT_SEED, heads: bool = True
+    src: Path,
+    dst: Path,
+    *,
+    seed: int = DEFAULT_SEED,
+    heads: bool = True,
+    row_chunk: int = 8192,
 ) -> RotatedCheckpoint:
     """Write the rotated model of the HF checkpoint `src` to the directory `dst`: one
-    model.safetensors (float32; one tensor in memory at a time), the config with the head
-    untied, every other file (tokenizer, chat template, generation config) copied."""
+    model.safetensors (float32; one tensor in memory at a time, the embedding and head in
+    chunks of `row_chunk` rows), the config with the head untied, every other file (tokenizer,
+    chat template, generation config) copied."""
     from higgs_engine.safetensors_stream import CheckpointReader, StreamingSafetensorsWriter
 
     cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -349,8 +370,8 @@ def write_rotated_checkpoint(
         writer = StreamingSafetensorsWriter(dst / "model.safetensors", {"format": "pt"})
         try:
             for k in sorted(keys):
-                for name, t in transform(plan, k, reader.get(k)).items():
-                    writer.add(name, t.to(torch.float32).contiguous())
+                for name, t in _transform_rows(plan, k, reader.get(k), row_chunk).items():
+                    writer.add(name, t.contiguous())
             writer.close()
         except BaseException:
             writer.abort()

@@ -253,3 +253,27 @@ def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_p
     # without a planning target there is nothing to compare: auto stays unrotated
     rep = quantize_gguf(GgufRun(tied_llama, tmp_path / "bits", bits=8, rotate="auto"))
     assert not rep.metrics["rotated"] and "rotation" not in rep.metrics
+
+
+def test_written_checkpoint_is_the_in_memory_rotation(tmp_path: Path) -> None:
+    """The streamed writer (embedding and head in row chunks) writes the float32 of
+    rotate_state_dict, config untied, tokenizer files copied."""
+    import json
+
+    from safetensors.torch import load_file
+
+    ckpt = build_tiny_checkpoint("qwen2", tmp_path / "q", tokenizer=True)
+    _randomize_norms(ckpt)
+    rc = write_rotated_checkpoint(ckpt, tmp_path / "rot", seed=2, row_chunk=100)
+    got = load_file(str(rc.path / "model.safetensors"))
+    state = load_file(str(ckpt / "model.safetensors"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    want = rotate_state_dict(state, cfg, seed=2)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == torch.float32
+        # float32 of the same values (a chunked product may round differently in the last bit)
+        assert float((got[k].double() - v).abs().max()) <= 1e-6 * float(v.abs().max()), k
+    assert json.loads((rc.path / "config.json").read_text())["tie_word_embeddings"] is False
+    assert (rc.path / "tokenizer.json").is_file()
+    assert rc.added_params == state["model.embed_tokens.weight"].numel()
