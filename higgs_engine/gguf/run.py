@@ -411,7 +411,19 @@ def _allocate(
         assert profile is not None
         if run.target.avg_bits is not None:
             avg = run.target.avg_bits * base_params / gf.params_total
-            return allocate_gguf(gf, problem, run.menu, avg_bits=avg), None
+            try:
+                return allocate_gguf(gf, problem, run.menu, avg_bits=avg), None
+            except InfeasibleTargetError:
+                if base_params == gf.params_total:
+                    raise
+                lo = (problem.min_avg_bits() * gf.params_quantizable + 8.0 * gf.fixed_bytes) / (
+                    base_params
+                )
+                raise InfeasibleTargetError(
+                    f"avg_bits={run.target.avg_bits:g} is below the smallest rotated GGUF file "
+                    f"for this model ({lo:.3f} bits per unrotated weight: the rotation unties "
+                    "the head, one more matrix to store)"
+                ) from None
         assert run.target.max_ppl_increase is not None
         bound = metric_bound_for_ppl(profile.metric, run.target.max_ppl_increase)
         return allocate_gguf(gf, problem, run.menu, max_predicted=bound), bound

@@ -250,6 +250,20 @@ def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_p
     )
     r = rep.metrics["rotation"]
     assert rep.metrics["rotated"] == (r["tensor_bytes_rotated"] < r["tensor_bytes_plain"])
+    # a budget below the smallest rotated file names the untied head
+    from higgs_engine.errors import InfeasibleTargetError
+
+    with pytest.raises(InfeasibleTargetError, match="smallest rotated GGUF file"):
+        quantize_gguf(
+            GgufRun(
+                tied_llama,
+                tmp_path / "small",
+                target=Target(avg_bits=2.0),
+                profile_config=TINY_PROFILE,
+                rotate="on",
+            )
+        )
+    assert not (tmp_path / "small").exists()
     # without a planning target there is nothing to compare: auto stays unrotated
     rep = quantize_gguf(GgufRun(tied_llama, tmp_path / "bits", bits=8, rotate="auto"))
     assert not rep.metrics["rotated"] and "rotation" not in rep.metrics
