@@ -21,10 +21,20 @@ weight as llama.cpp counts them (tensor data over all parameters), quantization 
 llama_model_quantize; allocator: measuring t^2 + DP + llama_model_quantize; the profile is
 measured once per model and cached, its time listed apart), predicted and measured change.
 
-    python benchmarks/gguf.py [--model smollm2|minilm|all] [--windows 16] [--sentences 2000]
-        [--threads 2] [--no-imatrix]
+With `--rotate` (SmolLM2), the allocator also runs on the rotated checkpoint (RMSNorm weights
+folded into the linears, the residual stream rotated by a seeded orthogonal matrix, V/O rotated
+per head, the tied head untied: higgs_engine/gguf/rotate.py) at each budget, with the rotated
+file's bits per weight set so that it holds no more tensor bytes than the unrotated file at that
+budget (the untied head is paid for). Both are evaluated against the unrotated 16-bit file;
+a rotation table puts them side by side with what `--rotate auto` would choose (the lower
+predicted change). `--rotation-only` skips the imatrix and the evaluation of llama.cpp's
+mixtures (still quantized, for their sizes: the budgets) and writes gguf_rotation_<model>.*.
 
-Writes benchmarks/results/gguf_<model>.json and .md.
+    python benchmarks/gguf.py [--model smollm2|minilm|all] [--windows 16] [--sentences 2000]
+        [--threads 2] [--no-imatrix] [--rotate | --rotation-only]
+
+Writes benchmarks/results/gguf_<model>.json and .md (gguf_rotation_<model>.* with
+--rotation-only).
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from higgs_engine.gguf.plan import (  # noqa: E402
     read_gguf,
     tensor_alphas,
 )
+from higgs_engine.gguf.rotate import rotated_alphas, write_rotated_checkpoint  # noqa: E402
 from higgs_engine.planning.gguf_types import GGUF_MENU  # noqa: E402
 
 LLAMA_MIXTURES = ("Q3_K_M", "Q4_K_M", "IQ4_XS", "Q5_K_M")
@@ -205,8 +216,9 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     convert_s = time.perf_counter() - t0
     print(f"[{name}] converted in {convert_s:.1f} s", flush=True)
 
+    # profiles are cached under the checkpoint's real path (data/ may be a link)
     prof = obtain_profile(
-        checkpoint, stores=profile_stores(cache), selfgen_cache=cache, embeddings=True
+        checkpoint.resolve(), stores=profile_stores(cache), selfgen_cache=cache, embeddings=True
     )
     profile = prof.profile
     print(f"[{name}] profile {'reused' if prof.reused else 'measured'}", flush=True)
@@ -216,7 +228,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
 
     # llama.cpp's own mixtures, without and with an importance matrix
     imatrix = None
-    if not args.no_imatrix:
+    if not args.no_imatrix and not args.rotation_only:
         t0 = time.perf_counter()
         held_out = _held_out_text(text, name, args)
         imatrix = collect_imatrix(checkpoint, base, held_out, encoder, args.context)
@@ -281,7 +293,13 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         )
         print(f"[{name}] {label}: {figs['bits_per_weight']:.3f} bpw {figs['types']}", flush=True)
 
+    rotation = None
+    if (args.rotate or args.rotation_only) and not encoder:
+        rotation = run_rotated(name, checkpoint, f, profile, budgets, args, work, rows, files)
+
     t0 = time.perf_counter()
+    if args.rotation_only:  # llama.cpp's mixtures give the budgets; their quality is elsewhere
+        files = {k: v for k, v in files.items() if not k.startswith("llama.cpp")}
     if encoder:
         sents = news_sentences(text, args.sentences)
         measured = eval_encoder(base, files, sents, args.threads)
@@ -291,8 +309,8 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         metric = "kl"
     eval_s = time.perf_counter() - t0
     for r in rows:
-        r.update(measured[r["method"]])
-        if r.get("predicted") is not None and r[metric] > 0:
+        r.update(measured.get(r["method"], {}))
+        if r.get("predicted") is not None and r.get(metric, 0) > 0:
             r["predicted_over_measured"] = r["predicted"] / r[metric]
     return {
         "model": name,
@@ -313,8 +331,114 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         "smallest_file_bpw": smallest,
         "budgets_below_smallest": skipped,
         "rows": rows,
-        "verdicts": verdicts(rows, metric),
+        "verdicts": verdicts(rows, metric) if not args.rotation_only else [],
+        "rotation": rotation,
+        "rotation_table": rotation_table(rows, metric) if rotation is not None else [],
     }
+
+
+def run_rotated(
+    name: str,
+    checkpoint: Path,
+    f: Any,
+    profile: Any,
+    budgets: list[float],
+    args: argparse.Namespace,
+    work: Path,
+    rows: list[dict[str, Any]],
+    files: dict[str, Path],
+) -> dict[str, Any]:
+    """The allocator on the rotated checkpoint at each budget (same bytes as the unrotated
+    file at that budget); appends its rows and files."""
+    t0 = time.perf_counter()
+    rc = write_rotated_checkpoint(checkpoint, work / f"{name}-rotated")
+    rbase = convert_checkpoint(rc.path, work / f"{name}-rot-f16.gguf", outtype=rc.outtype)
+    rotate_s = time.perf_counter() - t0
+    fr = read_gguf(rbase)
+    print(f"[{name}] rotated ({rc.plan}) and converted in {rotate_s:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    t2 = measure_errors(fr, GGUF_MENU, threads=args.threads)
+    measure_s = time.perf_counter() - t0
+    alphas, missing = tensor_alphas(
+        fr, rotated_alphas(profile.alphas(), untied=rc.added_params > 0)
+    )
+    problem = build_gguf_problem(fr, alphas, t2, GGUF_MENU)
+    smallest = (
+        problem.min_avg_bits() * fr.params_quantizable + 8.0 * fr.fixed_bytes
+    ) / fr.params_total
+    skipped = []
+    for b in budgets:
+        b_rot = b * f.params_total / fr.params_total  # the same tensor bytes
+        if b_rot < smallest:
+            skipped.append(b)
+            continue
+        t0 = time.perf_counter()
+        alloc = allocate_gguf(fr, problem, GGUF_MENU, avg_bits=b_rot)
+        alloc_s = time.perf_counter() - t0
+        dst = work / f"{name}-higgs-rot-{b:g}.gguf"
+        t0 = time.perf_counter()
+        quantize_file(rbase, dst, ftype="Q8_0", tensor_types=alloc.types, threads=args.threads)
+        q_s = time.perf_counter() - t0
+        label = f"allocator {b:g} bpw + rotation"
+        files[label] = dst
+        figs = file_figures([dst])
+        rows.append(
+            {
+                "method": label,
+                "data": "none (data-free profile)",
+                "target_bits": b,
+                "rotated_target_bits": b_rot,
+                "quantize_s": rotate_s + measure_s + alloc_s + q_s,
+                "measure_s": measure_s,
+                "rotate_s": rotate_s,
+                "predicted": alloc.predicted,
+                **figs,
+            }
+        )
+        print(f"[{name}] {label}: {figs['bits_per_weight']:.3f} bpw {figs['types']}", flush=True)
+    return {
+        "plan": rc.plan,
+        "added_params": rc.added_params,
+        "params_plain": f.params_total,
+        "params_rotated": fr.params_total,
+        "smallest_file_bpw_rotated": smallest,
+        "budgets_below_smallest_rotated": skipped,
+        "unprofiled_tensors": missing,
+        "rotate_convert_s": rotate_s,
+        "measure_s": measure_s,
+    }
+
+
+def rotation_table(rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """Per budget: the allocator's file without and with rotation, and what `auto` (lower
+    predicted change) would have kept."""
+    out = []
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        m = r["method"]
+        if not m.startswith("allocator") or m.endswith("+ rotation"):
+            continue
+        rot = by.get(m + " + rotation")
+        if rot is None:
+            continue
+        auto_rot = rot["predicted"] < r["predicted"]
+        better_rot = rot.get(metric, float("inf")) < r.get(metric, float("inf"))
+        out.append(
+            {
+                "target_bits": r["target_bits"],
+                "plain_bytes": r["file_bytes"],
+                "plain_predicted": r["predicted"],
+                "plain_metric": r.get(metric),
+                "plain_ppl": r.get("ppl"),
+                "rot_bytes": rot["file_bytes"],
+                "rot_predicted": rot["predicted"],
+                "rot_metric": rot.get(metric),
+                "rot_ppl": rot.get("ppl"),
+                "auto_choice": "rotated" if auto_rot else "plain",
+                "auto_right": auto_rot == better_rot,
+            }
+        )
+    return out
 
 
 def _held_out_text(text: str, name: str, args: argparse.Namespace) -> str:
@@ -386,8 +510,13 @@ def render(res: dict[str, Any]) -> str:
             }
         )
     base = res["base"]
+    title = (
+        " (rotation comparison; llama.cpp's mixtures give the budgets, not evaluated here)"
+        if res.get("rotation_only")
+        else ""
+    )
     head = (
-        f"### GGUF in llama.cpp: {res['model']} ({res['checkpoint']})\n\n"
+        f"### GGUF in llama.cpp{title}: {res['model']} ({res['checkpoint']})\n\n"
         f"Every file evaluated in llama.cpp (llama-cpp-python {res['llama_cpp']}) against the "
         f"16-bit GGUF of the same checkpoint; "
         + (
@@ -398,8 +527,12 @@ def render(res: dict[str, Any]) -> str:
         )
         + f" Allocator profile: {res['profile']['calibration']} "
         f"({'cached' if res['profile']['reused_from_cache'] else 'measured'}; "
-        f"{res['profile']['seconds']:.0f} s when measured). imatrix: "
-        f"{res['imatrix_tokens']} held-out news tokens."
+        f"{res['profile']['seconds']:.0f} s when measured). "
+        + (
+            f"imatrix: {res['imatrix_tokens']} held-out news tokens."
+            if res["imatrix_tokens"]
+            else "No imatrix."
+        )
         + (
             f" Budgets below the smallest file the menu allows "
             f"({res['smallest_file_bpw']:.3f} bits per weight: every tensor in its cheapest "
@@ -437,7 +570,59 @@ def render(res: dict[str, Any]) -> str:
             ("lower_than_imatrix", "lower than imatrix"),
         ],
     )
-    return head + "\n" + markdown_table(rows, cols) + "\n\nTargets:\n\n" + vtab + "\n"
+    out = head + "\n" + markdown_table(rows, cols) + "\n"
+    if res["verdicts"]:
+        out += "\nTargets:\n\n" + vtab + "\n"
+    if res.get("rotation_table"):
+        out += "\n" + render_rotation(res)
+    return out
+
+
+def render_rotation(res: dict[str, Any]) -> str:
+    mname = "KL" if res["metric"] == "kl" else "1 - cos"
+    rot = res["rotation"]
+    rows = [
+        {**x, "plain_mb": x["plain_bytes"] / 1e6, "rot_mb": x["rot_bytes"] / 1e6}
+        for x in res["rotation_table"]
+    ]
+    head = (
+        f"Rotation ({rot['plan']['rotation']}, per-head V/O: {rot['plan']['per_head_vo']}, "
+        f"head untied: {rot['plan']['untied_head']}, +{rot['added_params']} parameters); "
+        "at each budget B the rotated file gets the unrotated file's tensor-byte budget, "
+        "B x (unrotated parameters) / 8, so its own bits per weight are lower; both files are "
+        "evaluated against the unrotated 16-bit file. auto keeps the file with the lower "
+        "predicted change."
+        + (
+            " Budgets below the smallest rotated file "
+            f"({rot['smallest_file_bpw_rotated'] * rot['params_rotated'] / rot['params_plain']:.3f}"
+            f" bits per unrotated weight) were not run rotated: "
+            f"{rot['budgets_below_smallest_rotated']}."
+            if rot["budgets_below_smallest_rotated"]
+            else ""
+        )
+        + "\n\n"
+    )
+    return (
+        "Rotation:\n\n"
+        + head
+        + markdown_table(
+            rows,
+            [
+                ("target_bits", "budget (bits/weight, unrotated)"),
+                ("plain_mb", "MB"),
+                ("plain_predicted", f"predicted {mname}"),
+                ("plain_metric", mname),
+                ("plain_ppl", "perplexity"),
+                ("rot_mb", "rotated MB"),
+                ("rot_predicted", f"rotated predicted {mname}"),
+                ("rot_metric", f"rotated {mname}"),
+                ("rot_ppl", "rotated perplexity"),
+                ("auto_choice", "auto keeps"),
+                ("auto_right", "auto right"),
+            ],
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,6 +635,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sentences", type=int, default=2000, help="MiniLM evaluation sentences")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-imatrix", action="store_true", help="skip the imatrix comparison")
+    ap.add_argument(
+        "--rotate", action="store_true", help="add the allocator on the rotated checkpoint"
+    )
+    ap.add_argument(
+        "--rotation-only",
+        action="store_true",
+        help="only the rotation comparison (no imatrix, llama.cpp mixtures not evaluated); "
+        "writes gguf_rotation_<model>.*",
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="measure nothing: rewrite the .md beside a results JSON this script wrote",
+    )
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument(
         "--profile-cache",
@@ -458,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's profile cache (default: the CLI's, ~/.cache/higgs/profiles)",
     )
     args = ap.parse_args(argv)
+    if args.render is not None:
+        res = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(render(res).rstrip() + "\n")
+        return 0
     if args.profile_cache is None:
         from higgs_cli.dynamic_cmds import default_profile_cache
 
@@ -475,9 +680,11 @@ def main(argv: list[str] | None = None) -> int:
             windows=args.windows,
             context=args.context,
             sentences=args.sentences,
+            rotation_only=args.rotation_only,
         )
         md = render(res)
-        write_results(f"gguf_{name}", res, md, args.out_dir)
+        stem = f"gguf_rotation_{name}" if args.rotation_only else f"gguf_{name}"
+        write_results(stem, res, md, args.out_dir)
         print(md, flush=True)
         print(json.dumps(res["verdicts"], indent=1))
     return 0

@@ -16,6 +16,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("quality_minilm", "quality.py --model minilm"),
     ("gguf_smollm2", "gguf.py --model smollm2 --threads 1"),
     ("gguf_minilm", "gguf.py --model minilm --threads 1"),
+    ("gguf_rotation_smollm2", "gguf.py --model smollm2 --threads 1 --rotation-only"),
     ("ablation_smollm2", "ablation.py --model smollm2 (three processes, joined with --merge)"),
     ("ablation_minilm", "ablation.py --model minilm"),
     ("error_structure", "error_structure.py"),

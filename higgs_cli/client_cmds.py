@@ -137,6 +137,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         if not getattr(args, "calibration", None):
             raise ClientError("--calibration-tokens needs --calibration FILE", 2)
         options["calibration_tokens"] = args.calibration_tokens
+    if getattr(args, "gguf_rotate", None) is not None:
+        options["gguf_rotate"] = args.gguf_rotate
     body: dict[str, Any] = {"model": model, "target": given}
     if options:
         body["options"] = options
@@ -474,6 +476,13 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="N",
         help="calibration tokens (default 8192; the text must have at least N)",
+    )
+    p.add_argument(
+        "--gguf-rotate",
+        choices=["off", "on", "auto"],
+        default=None,
+        help="gguf jobs, llama-family models: rotate the residual stream before converting "
+        "(on), or keep whichever the allocator predicts better (auto)",
     )
     p.add_argument("--idempotency-key", default=None)
     p.add_argument("--webhook-url", default=None, help="POST a signed event here when the job ends")

@@ -34,6 +34,14 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
         "--eval-windows", type=int, default=None, metavar="W", help="windows to evaluate"
     )
     g.add_argument(
+        "--rotate",
+        choices=["off", "on", "auto"],
+        default=None,
+        help="llama-family models: fold the norms and rotate the residual stream before "
+        "converting (on), or measure both and keep the one with the lower predicted change "
+        "at the target (auto); default off",
+    )
+    g.add_argument(
         "--split-max-size",
         type=float,
         default=None,
@@ -46,8 +54,12 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
 def wants_gguf(args: argparse.Namespace) -> bool:
     formats = [f.strip() for f in str(args.format).split(",") if f.strip()]
     if "gguf" not in formats:
-        if getattr(args, "ftype", None) or getattr(args, "eval_text", None):
-            raise CliError("--ftype / --eval-text are options of --format gguf")
+        if (
+            getattr(args, "ftype", None)
+            or getattr(args, "eval_text", None)
+            or getattr(args, "rotate", None)
+        ):
+            raise CliError("--ftype / --eval-text / --rotate are options of --format gguf")
         return False
     if formats != ["gguf"]:
         raise CliError(
@@ -91,7 +103,13 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     from higgs_engine.dynamic import profile_stores
     from higgs_engine.errors import InvalidConfigError
     from higgs_engine.evaluate import read_text
-    from higgs_engine.gguf.run import DEFAULT_SPLIT_BYTES, GgufEvalRequest, GgufRun, quantize_gguf
+    from higgs_engine.gguf.run import (
+        DEFAULT_ROTATE,
+        DEFAULT_SPLIT_BYTES,
+        GgufEvalRequest,
+        GgufRun,
+        quantize_gguf,
+    )
 
     _check_args(args)
     target = _target(getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None))
@@ -129,12 +147,25 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
             token=args.token,
             progress=progress,
             overwrite=args.overwrite,
+            rotate=getattr(args, "rotate", None) or DEFAULT_ROTATE,
             **kw,
         )
     except InvalidConfigError as e:
-        flag = {"bits": "--bits", "ftype": "--ftype", "split_max_bytes": "--split-max-size"}
-        raise CliError(f"{flag.get(e.field or '', '--format gguf')}: {e}") from None
-    return quantize_gguf(run)
+        raise CliError(f"{_FLAG.get(e.field or '', '--format gguf')}: {e}") from None
+    try:
+        return quantize_gguf(run)
+    except InvalidConfigError as e:
+        if e.field != "rotate":
+            raise
+        raise CliError(f"--rotate: {e}") from None
+
+
+_FLAG = {
+    "bits": "--bits",
+    "ftype": "--ftype",
+    "split_max_bytes": "--split-max-size",
+    "rotate": "--rotate",
+}
 
 
 def summary_lines(rep: Any, out: Path) -> list[str]:
@@ -157,6 +188,15 @@ def summary_lines(rep: Any, out: Path) -> list[str]:
                 else ""
             )
         )
+    if m.get("rotation") is not None:
+        r = m["rotation"]
+        both = (
+            f"; predicted {r['predicted_change_plain']:.5f} unrotated, "
+            f"{r['predicted_change_rotated']:.5f} rotated"
+            if "predicted_change_rotated" in r
+            else ""
+        )
+        lines.append(f"rotation ({r['rotation']}): {'kept' if m['rotated'] else 'not kept'}{both}")
     if m.get("kl") is not None:
         lines.append(
             f"measured in llama.cpp: perplexity {m['ppl_base']:.3f} -> {m['ppl_quantized']:.3f}, "

@@ -34,6 +34,7 @@ def quantize_gguf_job(
     eval_text_file: Path | None = None,
     eval_context: int | None = None,
     eval_windows: int | None = None,
+    rotate: str | None = None,
 ) -> Report:
     """The GGUF file of the job into `out`/gguf with `out`/report.json."""
     from higgs_engine.evaluate import read_text
@@ -61,6 +62,8 @@ def quantize_gguf_job(
             context=eval_context,
             windows=eval_windows,
         )
+    if rotate is not None:
+        kw["rotate"] = rotate
     report = quantize_gguf(GgufRun(source.path, out, progress=progress, evaluate=evaluate, **kw))
     if kind != "bits":
         report.metrics.setdefault("service", {})["profile"] = {"revision": profile_revision(source)}

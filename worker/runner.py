@@ -763,6 +763,7 @@ def _run_gguf(
         eval_text_file=cfg.eval_text_file if job_cfg.evaluate else None,
         eval_context=cfg.eval_context,
         eval_windows=cfg.eval_windows,
+        rotate=job_cfg.gguf_rotate,
     )
     engine_s = time.perf_counter() - t0
     report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})

@@ -9,7 +9,8 @@ stored, so a job queued before an upgrade still runs after it:
                  "evaluate": bool,   ("evaluate" may be missing in early rows: false)
                  "calibration": {"id", "sha256", "bytes", "tokens"},  (calibrated jobs only)
                  "menu_p": int,  (dynamic jobs restricted to one grid dimension only)
-                 "gguf": true}  (GGUF jobs only: llama.cpp's types; "engine" then unused)
+                 "gguf": true,  (GGUF jobs only: llama.cpp's types; "engine" then unused)
+                 "gguf_rotate": "on" | "auto"}  (GGUF jobs asking for a rotation only)
 
 A new shape gets a new version number and a branch in `load`; `to_dict` always writes the
 newest one.
@@ -51,6 +52,8 @@ class JobConfig(BaseModel):
     # A GGUF file for llama.cpp (options.formats ["gguf"]): llama.cpp's types per tensor for the
     # target; `engine` then carries the HIGGS defaults and is not used. Absent (false) otherwise.
     gguf: bool = False
+    # GGUF jobs: options.gguf_rotate ("off" / "on" / "auto"); None (absent) = off.
+    gguf_rotate: Literal["off", "on", "auto"] | None = None
 
     @field_validator("engine")
     @classmethod
@@ -93,6 +96,8 @@ class JobConfig(BaseModel):
             d.pop("menu_p", None)
         if not d.get("gguf"):
             d.pop("gguf", None)
+        if d.get("gguf_rotate") in (None, "off"):
+            d.pop("gguf_rotate", None)
         return d
 
     @property

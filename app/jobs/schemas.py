@@ -231,6 +231,12 @@ class Options(Strict):
     calibration_tokens: int | None = Field(
         default=None, ge=2, le=1_000_000, description="calibration tokens (default 8192)"
     )
+    gguf_rotate: Literal["off", "on", "auto"] | None = Field(
+        default=None,
+        description="gguf only, llama-family models: fold the norms and rotate the residual "
+        "stream before converting (on), or measure both and keep the one with the lower "
+        "predicted change at the target (auto); default off",
+    )
 
     @field_validator("formats")
     @classmethod

@@ -146,11 +146,17 @@ def validate_request(
         except WebhookUrlError as e:
             raise ValidationFailedError.field("webhook_url", str(e)) from e
 
+    if opts.gguf_rotate is not None and not gguf:
+        raise ValidationFailedError.field(
+            "options.gguf_rotate", 'options.gguf_rotate is an option of formats ["gguf"]'
+        )
     request = req.model_dump(mode="json")
     if request["options"].get("scope") == "linear":
         del request["options"]["scope"]  # the default: the stored request (and hash) as before
     if request.get("webhook_url") is None:
         request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
+    if request.get("options", {}).get("gguf_rotate") is None:
+        request.get("options", {}).pop("gguf_rotate", None)  # likewise
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
     return JobSpec(
         request=request,
@@ -161,6 +167,7 @@ def validate_request(
             evaluate=opts.evaluate,
             menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
             gguf=gguf,
+            gguf_rotate=opts.gguf_rotate if gguf else None,
         ),
         model_id=req.model.id,
         webhook_url=webhook_url,

@@ -12,6 +12,17 @@
     evaluating  (optional) perplexity / KL (or 1 - cos) in llama.cpp against the 16-bit file
     packaging   report.json, then the output directory appears whole (atomic rename)
 
+Rotation (`rotate`, llama-family decoders: higgs_engine/gguf/rotate.py): "on" converts the
+rotated checkpoint (RMSNorm weights folded into the linears, the residual stream rotated by a
+seeded orthogonal matrix, V/O rotated per head, a tied head untied) instead of the original;
+"auto" converts and measures both and keeps the one whose allocation predicts the lower change
+at the target (for a max_ppl_increase target: the smaller file), recording both predictions;
+without a planning target "auto" stays unrotated (nothing to compare). An avg_bits budget is
+the unrotated file's bytes: the rotated file, one head matrix larger when the head was tied,
+gets the same tensor bytes, so its own bits per weight come out lower. Quality is evaluated
+against the unrotated 16-bit file. Models outside the llama family: "on" is refused
+(InvalidConfigError), "auto" stays unrotated.
+
 Targets: `bits` is one llama.cpp type everywhere (Q4_K for 4, rows it does not fit taking
 llama.cpp's own fallback); `ftype` is one of llama.cpp's own mixtures (Q4_K_M...), for
 comparison; a planning Target (avg_bits over the whole file, as llama.cpp counts bits per
@@ -21,6 +32,7 @@ weight, or max_ppl_increase) is the allocator's.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_engine.errors import InvalidConfigError
+from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
 from higgs_engine.gguf.convert import check_architecture, convert_checkpoint
 from higgs_engine.gguf.llama import FTYPES, LlamaError, llama_version, quantize_file
 from higgs_engine.gguf.plan import (
@@ -43,6 +55,7 @@ from higgs_engine.gguf.plan import (
     tensor_alphas,
     uniform_allocation,
 )
+from higgs_engine.gguf.rotate import ROTATABLE, rotated_alphas, write_rotated_checkpoint
 from higgs_engine.planning.gguf_types import GGUF_MENU, GGUF_TYPES, GgufType, uniform_type_for_bits
 from higgs_engine.planning.plans import Target, metric_bound_for_ppl, ppl_increase_from
 from higgs_engine.planning.profile import DEFAULT_PROFILE, Profile, ProfileConfig, ProfileStore
@@ -52,6 +65,9 @@ from higgs_engine.report import LayerReport, Report
 # The 16-bit conversion is split into shards of at most this many bytes (llama.cpp's split
 # files; the quantized file keeps the same number of shards).
 DEFAULT_SPLIT_BYTES = 8 * 1024**3
+
+ROTATE_MODES = ("off", "on", "auto")
+DEFAULT_ROTATE = "off"
 
 # llama_model_quantize writes general.file_type from its ftype; a mixed file is labelled with
 # llama.cpp's mixture of the type that holds the most weights.
@@ -107,9 +123,15 @@ class GgufRun:
     threads: int = 0
     progress: ProgressCallback | None = None
     overwrite: bool = False
+    rotate: str = DEFAULT_ROTATE
+    rotation_seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.rotate not in ROTATE_MODES:
+            raise InvalidConfigError(
+                f"rotate={self.rotate!r} must be one of {list(ROTATE_MODES)}", field="rotate"
+            )
         given = [x is not None for x in (self.bits, self.target, self.ftype)]
         if sum(given) != 1:
             raise InvalidConfigError("give exactly one of bits, a target and a llama.cpp ftype")
@@ -159,24 +181,54 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
     report(run.progress, "resolving", 0, 1)
     src = resolve_source(run.source, run.revision, run.token)
     hf_config = load_config(src.path)
-    check_architecture(list(getattr(hf_config, "architectures", None) or []), run.converter)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    check_architecture(archs, run.converter)
     encoder = model_kind(hf_config) != "causal"
+    rotatable = getattr(hf_config, "model_type", None) in ROTATABLE
+    if run.rotate == "on" and not rotatable:
+        raise InvalidConfigError(
+            f"rotate='on' applies to llama-family decoders ({', '.join(sorted(ROTATABLE))}); "
+            f"this checkpoint is {archs[0] if archs else '(no architecture)'} "
+            f"(model_type {getattr(hf_config, 'model_type', None)!r})",
+            field="rotate",
+        )
     report(run.progress, "resolving", 1, 1)
     _timed(run, "resolving", t0)
 
     t0 = time.perf_counter()
     report(run.progress, "converting", 0, 1)
     src_bytes = sum(p.stat().st_size for p in src.path.glob("*.safetensors"))
+    split_bytes = run.split_max_bytes if src_bytes > run.split_max_bytes else None
     base_name = _file_stem(str(run.source))
     f16 = scratch / f"{base_name}-f16.gguf"
-    convert_checkpoint(
-        src.path,
-        f16,
-        converter=run.converter,
-        split_max_bytes=run.split_max_bytes if src_bytes > run.split_max_bytes else None,
-    )
+    convert_checkpoint(src.path, f16, converter=run.converter, split_max_bytes=split_bytes)
     f16_shards = sorted(scratch.glob(f"{base_name}-f16*.gguf"))
+    base_shards = f16_shards  # the unrotated 16-bit file: what evaluation compares against
     gf = read_gguf(f16_shards)
+    base_params = gf.params_total
+    rot_info: dict[str, Any] | None = None
+    want_rotation = run.rotate == "on" or (
+        run.rotate == "auto" and rotatable and run.target is not None
+    )
+    if want_rotation:
+        rc = write_rotated_checkpoint(src.path, scratch / "rotated", seed=run.rotation_seed)
+        rf16 = scratch / f"{base_name}-rot-f16.gguf"
+        convert_checkpoint(
+            rc.path,
+            rf16,
+            outtype=rc.outtype,
+            converter=run.converter,
+            split_max_bytes=split_bytes,
+        )
+        shutil.rmtree(rc.path, ignore_errors=True)
+        rot_shards = sorted(scratch.glob(f"{base_name}-rot-f16*.gguf"))
+        rgf = read_gguf(rot_shards)
+        rot_info = {
+            **rc.plan,
+            "added_params": rc.added_params,
+            "params_unrotated": base_params,
+            "params_rotated": rgf.params_total,
+        }
     report(run.progress, "converting", 1, 1)
     _timed(run, "converting", t0)
 
@@ -187,33 +239,63 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
         profile = _profile(run)
         alphas, unprofiled = tensor_alphas(gf, profile.alphas())
 
-    t0 = time.perf_counter()
-    t2 = measure_errors(
-        gf,
-        run.menu,
-        sample_values=run.sample_values,
-        threads=max(1, run.threads or 2),
-        progress=run.progress,
-    )
-    _timed(run, "measuring", t0)
+    def measure(g: GgufFile) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = measure_errors(
+            g,
+            run.menu,
+            sample_values=run.sample_values,
+            threads=max(1, run.threads or 2),
+            progress=run.progress,
+        )
+        _timed(run, "measuring", t0)
+        return out
+
+    t2 = measure(gf) if run.rotate != "on" else np.zeros((0, len(run.menu)))
 
     t0 = time.perf_counter()
     report(run.progress, "allocating", 0, 1)
-    problem = build_gguf_problem(
-        gf, alphas if alphas is not None else np.zeros(len(gf.tensors)), t2, run.menu
-    )
     alloc: GgufAllocation | None = None
     bound = None
-    if run.target is not None:
-        assert profile is not None
-        if run.target.avg_bits is not None:
-            alloc = allocate_gguf(gf, problem, run.menu, avg_bits=run.target.avg_bits)
-        else:
-            assert run.target.max_ppl_increase is not None
-            bound = metric_bound_for_ppl(profile.metric, run.target.max_ppl_increase)
-            alloc = allocate_gguf(gf, problem, run.menu, max_predicted=bound)
-    elif run.bits is not None:
-        alloc = uniform_allocation(gf, problem, uniform_type_for_bits(run.bits), run.menu)
+    if run.rotate != "on":
+        alloc, bound = _allocate(run, gf, alphas, t2, profile, gf.params_total)
+    rotated = False
+    if want_rotation:
+        assert rot_info is not None
+        report(run.progress, "allocating", 1, 1)
+        _timed(run, "allocating", t0)
+        rt2 = measure(rgf)
+        t0 = time.perf_counter()
+        ralphas = None
+        runprofiled: list[str] = []
+        if profile is not None:
+            ralphas, runprofiled = tensor_alphas(
+                rgf, rotated_alphas(profile.alphas(), untied=rot_info["untied_head"])
+            )
+        try:
+            ralloc, rbound = _allocate(run, rgf, ralphas, rt2, profile, gf.params_total)
+        except InfeasibleTargetError as e:
+            if run.rotate == "on":
+                raise
+            ralloc, rbound = None, None
+            rot_info["infeasible"] = str(e)
+        if run.rotate == "on":
+            rotated = True
+        elif ralloc is not None and alloc is not None:
+            assert run.target is not None
+            if run.target.avg_bits is not None:
+                rotated = ralloc.predicted < alloc.predicted
+            else:
+                rotated = ralloc.tensor_bytes < alloc.tensor_bytes
+            rot_info.update(
+                predicted_change_plain=alloc.predicted,
+                predicted_change_rotated=ralloc.predicted,
+                tensor_bytes_plain=alloc.tensor_bytes,
+                tensor_bytes_rotated=ralloc.tensor_bytes,
+            )
+        if rotated:
+            gf, f16_shards, t2, alphas, unprofiled = rgf, rot_shards, rt2, ralphas, runprofiled
+            alloc, bound = ralloc, rbound
     report(run.progress, "allocating", 1, 1)
     _timed(run, "allocating", t0)
 
@@ -257,7 +339,14 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
         "menu": [t.name for t in run.menu],
         "t2_sample_values": run.sample_values,
         "type_histogram": _histogram(written.types, gf),
+        "rotate": run.rotate,
+        "rotated": rotated,
     }
+    if rot_info is not None:
+        metrics["rotation"] = rot_info
+    if rotated:
+        tensor_bytes = written.fixed_bytes + sum(written.bytes_of.values())
+        metrics["bits_per_unrotated_weight"] = 8.0 * tensor_bytes / base_params
     if unprofiled:
         metrics["unprofiled_tensors"] = unprofiled
     predicted = None
@@ -279,7 +368,7 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
         t0 = time.perf_counter()
         ev = evaluate_gguf(
             shards[0],
-            f16_shards[0],
+            base_shards[0],
             run.evaluate.text,
             encoder=encoder,
             context=run.evaluate.context,
@@ -302,6 +391,45 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
     rep.save(tmp / "report.json")
     report(run.progress, "packaging", 1, 1)
     return rep
+
+
+def _allocate(
+    run: GgufRun,
+    gf: GgufFile,
+    alphas: np.ndarray | None,
+    t2: np.ndarray,
+    profile: Profile | None,
+    base_params: int,
+) -> tuple[GgufAllocation | None, float | None]:
+    """The allocation for `gf` at the run's target (None for an ftype run) and the metric bound
+    of a max_ppl_increase target. An avg_bits budget is counted over `base_params` (the
+    unrotated file's parameters): a rotated file with an untied head gets the same bytes."""
+    problem = build_gguf_problem(
+        gf, alphas if alphas is not None else np.zeros(len(gf.tensors)), t2, run.menu
+    )
+    if run.target is not None:
+        assert profile is not None
+        if run.target.avg_bits is not None:
+            avg = run.target.avg_bits * base_params / gf.params_total
+            try:
+                return allocate_gguf(gf, problem, run.menu, avg_bits=avg), None
+            except InfeasibleTargetError:
+                if base_params == gf.params_total:
+                    raise
+                lo = (problem.min_avg_bits() * gf.params_quantizable + 8.0 * gf.fixed_bytes) / (
+                    base_params
+                )
+                raise InfeasibleTargetError(
+                    f"avg_bits={run.target.avg_bits:g} is below the smallest rotated GGUF file "
+                    f"for this model ({lo:.3f} bits per unrotated weight: the rotation unties "
+                    "the head, one more matrix to store)"
+                ) from None
+        assert run.target.max_ppl_increase is not None
+        bound = metric_bound_for_ppl(profile.metric, run.target.max_ppl_increase)
+        return allocate_gguf(gf, problem, run.menu, max_predicted=bound), bound
+    if run.bits is not None:
+        return uniform_allocation(gf, problem, uniform_type_for_bits(run.bits), run.menu), None
+    return None, None
 
 
 def _profile(run: GgufRun) -> Profile:
@@ -409,6 +537,7 @@ def _report(
         "menu": [t.name for t in run.menu],
         "sample_values": run.sample_values,
         "split_max_bytes": run.split_max_bytes,
+        "rotate": run.rotate,
     }
     return Report(
         # llama.cpp's figure: tensor data bits over every parameter of the file

@@ -54,3 +54,44 @@ def test_anything_else_is_refused_naming_the_config(stored: dict[str, Any]) -> N
     with pytest.raises(InvalidConfigError) as info:
         JobConfig.load(stored)
     assert info.value.field == "config"
+
+
+def test_gguf_rotate_is_stored_only_when_asked_for(tmp_path: Any) -> None:
+    stored = {
+        "version": 1,
+        "engine": ENGINE,
+        "target": {"avg_bits": 5.0},
+        "evaluate": False,
+        "gguf": True,
+        "gguf_rotate": "auto",
+    }
+    cfg = JobConfig.load(stored)
+    assert cfg.gguf_rotate == "auto" and cfg.to_dict() == stored
+    for absent in (None, "off"):
+        assert "gguf_rotate" not in JobConfig.load({**stored, "gguf_rotate": absent}).to_dict()
+
+
+def test_gguf_rotate_request(tmp_path: Any) -> None:
+    from app.errors import ValidationFailedError
+    from app.jobs.schemas import JobCreate
+    from app.jobs.service import validate_request
+    from app.settings import Settings
+
+    settings = Settings(data_dir=tmp_path)
+    body: dict[str, Any] = {
+        "model": {"id": "org/model"},
+        "target": {"avg_bits": 5.0},
+        "options": {"formats": ["gguf"], "gguf_rotate": "auto"},
+    }
+    spec = validate_request(JobCreate.model_validate(body), settings)
+    assert spec.config.gguf_rotate == "auto"
+    assert spec.request["options"]["gguf_rotate"] == "auto"
+    # not asked for: the stored request (and its hash) keeps its old shape
+    plain = {**body, "options": {"formats": ["gguf"]}}
+    spec = validate_request(JobCreate.model_validate(plain), settings)
+    assert spec.config.gguf_rotate is None and "gguf_rotate" not in spec.request["options"]
+    with pytest.raises(ValidationFailedError) as e:
+        validate_request(
+            JobCreate.model_validate({**body, "options": {"gguf_rotate": "on"}}), settings
+        )
+    assert str(e.value).startswith("options.gguf_rotate: ")

@@ -74,3 +74,13 @@ def test_submit_webhook_url_goes_into_the_request() -> None:
     }
     plain = parser.parse_args(["submit", "tiny", "--bits", "4"])
     assert "webhook_url" not in build_request(plain)
+
+
+def test_submit_gguf_rotate_goes_into_the_options() -> None:
+    from higgs_cli.client_cmds import build_request
+    from higgs_cli.main import build_parser
+
+    args = build_parser("submit").parse_args(
+        ["submit", "tiny", "--avg-bits", "5", "--formats", "gguf", "--gguf-rotate", "auto"]
+    )
+    assert build_request(args)["options"] == {"formats": ["gguf"], "gguf_rotate": "auto"}

@@ -106,6 +106,24 @@ def test_gguf_job_downloads_a_file_llama_cpp_runs(stack_factory: Any, tmp_path: 
         report = c.get(f"/v1/jobs/{job_id}/report").json()
         assert report["metrics"]["eval_engine"] == "llama.cpp"
 
+    # a rotated file: options.gguf_rotate goes through the job config to the worker
+    out_rot = tmp_path / "rotated"
+    res = stack.run(
+        [
+            *HIGGS, "submit", MODEL, "--bits", "8", "--formats", "gguf", "--gguf-rotate", "on",
+            "--wait", "--out", str(out_rot), "--url", stack.url, "--key", key,
+        ],
+        timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    rot_id = res.stdout.strip().splitlines()[-1]
+    assert "succeeded" in res.stdout, res.stdout + res.stderr + stack.logs()
+    with stack.client(key) as c:
+        job = c.get(f"/v1/jobs/{rot_id}").json()
+        assert job["request"]["options"]["gguf_rotate"] == "on"
+        assert job["config"]["gguf_rotate"] == "on"
+        report = c.get(f"/v1/jobs/{rot_id}/report").json()
+        assert report["metrics"]["rotated"] and report["metrics"]["rotation"]["per_head_vo"]
+
     # the downloaded file holds the reported types and runs in llama.cpp
     written = read_gguf(files, quantized=True)
     assert written.types == {row["name"]: row["type"] for row in layers}

@@ -1,0 +1,48 @@
+"""A gguf job's options.gguf_rotate reaches the engine's GGUF run (worker.gguf)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from higgs_engine.errors import InvalidConfigError
+from tests.fixtures import build_gguf_llama, build_tiny_encoder
+from worker.gguf import quantize_gguf_job
+from worker.models import ModelSource
+
+
+def _no_sessions() -> None:
+    raise AssertionError("a bits target needs no profile store")
+
+
+def test_rotate_reaches_the_run(tmp_path: Path) -> None:
+    ckpt = build_gguf_llama(tmp_path / "tiny")
+    src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
+    rep = quantize_gguf_job(
+        _no_sessions,  # type: ignore[arg-type]
+        src,
+        None,
+        tmp_path / "out",
+        {"bits": 8.0},
+        None,
+        lambda *a: None,
+        rotate="on",
+    )
+    assert rep.metrics["rotated"] and rep.metrics["rotation"]["per_head_vo"]
+
+
+def test_rotate_on_an_encoder_fails_naming_it(tmp_path: Path) -> None:
+    bert = build_tiny_encoder(tmp_path / "bert")
+    src = ModelSource(path=bert, id="bert", kind="local", revision=None)
+    with pytest.raises(InvalidConfigError, match="BertModel"):
+        quantize_gguf_job(
+            _no_sessions,  # type: ignore[arg-type]
+            src,
+            None,
+            tmp_path / "out",
+            {"bits": 8.0},
+            None,
+            lambda *a: None,
+            rotate="on",
+        )
