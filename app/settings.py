@@ -174,6 +174,10 @@ class Settings(BaseSettings):
     worker_max_memory_mb: int = Field(default=4096, ge=64)
     # Where the worker computes: "auto" = CUDA when torch can use it, else the CPU.
     device: str = "auto"
+    # A gguf job for a Hub model: the API reads the model's config.json from the Hub (at most
+    # this long) to refuse an architecture llama.cpp's converter does not know at submit; 0 or
+    # no answer in time leaves the check to the worker.
+    hub_check_timeout_s: float = Field(default=3.0, ge=0)
 
     # options.evaluate: perplexity and KL on this UTF-8 text on the worker (None: such jobs fail
     # with invalid_config before quantizing), over eval_windows windows of eval_context tokens.

@@ -7,6 +7,7 @@ never from a conftest.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,10 @@ from typing import Any
 import pytest
 
 from tests.fixtures import TINY_KINDS, TINY_TEXT, build_tiny_checkpoint, build_tiny_tokenizer
+
+# Tests never reach the Hub: the API's submit-time architecture check of Hub models is off in
+# every Settings the tests (and the servers they start) build, unless a test sets it.
+os.environ.setdefault("HIGGS_HUB_CHECK_TIMEOUT_S", "0")
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,7 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry)
+        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -174,10 +174,12 @@ def validate_request(
     )
 
 
-def check_gguf_request(req: JobCreate, ref: ModelSource, registry: LocalNames | None) -> None:
+def check_gguf_request(
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub_timeout_s: float = 0.0
+) -> None:
     """What a GGUF job can be asked for: the format alone, data-free, a target at or above the
-    cheapest llama.cpp type, and (for a local model whose architecture the workers registered)
-    an architecture llama.cpp's converter knows."""
+    cheapest llama.cpp type, and an architecture llama.cpp's converter knows (a local model's as
+    the workers registered it, a Hub model's from its config.json within `hub_timeout_s`)."""
     from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
 
     opts = req.options
@@ -210,13 +212,18 @@ def check_gguf_request(req: JobCreate, ref: ModelSource, registry: LocalNames | 
             f"({min_menu_bits():g} bits per weight, Q2_K)",
         )
     # A local model's architecture: registered by the workers, or read here when this process
-    # has the models folder. A Hub model's is checked by the worker before any work.
+    # has the models folder. A Hub model's: its config.json when the Hub answers in time;
+    # otherwise the worker checks it before any work.
     arch = None
     if ref.kind == "local":
         if ref.path is not None:
             arch = read_architecture(ref.path)
         elif registry is not None:
             arch = registry.architecture(req.model.id)
+    elif ref.kind == "hub":
+        from app.jobs.hub_config import hub_architecture
+
+        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",

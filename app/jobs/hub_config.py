@@ -1,0 +1,88 @@
+"""A Hub model's architecture read at submit: its config.json only (a few KB, never weights),
+so that a format the model cannot have (gguf for an architecture llama.cpp's converter does not
+know) is a 422 when the job is asked for, not a failed job later.
+
+The file comes from the Hub endpoint huggingface_hub uses (HF_ENDPOINT, default
+https://huggingface.co) with its token when there is one (HF_TOKEN or a stored login). The
+whole fetch is bounded by `timeout_s` of wall time and 1 MiB; anything that goes wrong (no
+network, a private or gated repository, a missing file, a slow answer, bad JSON) answers None:
+the architecture is then unknown here and the worker checks it before any work. Answers are
+kept for an hour per (model, revision), failures for a minute (a Hub that does not answer
+costs one timeout a minute, not one per submit).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from urllib.parse import quote
+
+import httpx
+
+__all__ = ["MAX_CONFIG_BYTES", "hub_architecture"]
+
+MAX_CONFIG_BYTES = 1024 * 1024
+_TTL_S = 3600.0
+_FAILED_TTL_S = 60.0  # an unreadable config is asked for again after this long
+_MAX_ENTRIES = 4096
+_cache: dict[tuple[str, str], tuple[float, str | None]] = {}
+_lock = threading.Lock()
+
+
+def _config_url(model_id: str, revision: str) -> str:
+    from huggingface_hub import constants
+
+    return (
+        f"{constants.ENDPOINT.rstrip('/')}/{model_id}/resolve/{quote(revision, safe='')}"
+        "/config.json"
+    )
+
+
+def _fetch(url: str, timeout_s: float) -> bytes | None:
+    from huggingface_hub import get_token
+
+    headers = {"User-Agent": "higgs-service (architecture check)"}
+    token = get_token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    deadline = time.monotonic() + timeout_s
+    body = bytearray()
+    with (
+        httpx.Client(timeout=timeout_s, follow_redirects=True, max_redirects=3) as client,
+        client.stream("GET", url, headers=headers) as r,
+    ):
+        if r.status_code != 200:
+            return None
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > MAX_CONFIG_BYTES or time.monotonic() > deadline:
+                return None
+    return bytes(body)
+
+
+def hub_architecture(model_id: str, revision: str | None, timeout_s: float) -> str | None:
+    """The first `architectures` entry of the Hub model's config.json at `revision` (default
+    main), or None when it cannot be read within `timeout_s` (0: never asked)."""
+    if timeout_s <= 0:
+        return None
+    key = (model_id, revision or "main")
+    now = time.monotonic()
+    with _lock:
+        hit = _cache.get(key)
+    if hit is not None and now - hit[0] < (_TTL_S if hit[1] is not None else _FAILED_TTL_S):
+        return hit[1]
+    arch = None
+    try:
+        raw = _fetch(_config_url(*key), timeout_s)
+        cfg = json.loads(raw) if raw is not None else None
+    except (httpx.HTTPError, ValueError, OSError):
+        cfg = None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        arch = archs[0][:128]
+    with _lock:
+        if len(_cache) >= _MAX_ENTRIES:
+            _cache.clear()
+        _cache[key] = (now, arch)
+    return arch
