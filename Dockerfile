@@ -78,5 +78,6 @@ RUN pip install --find-links /wheels "higgs-service[worker]" "torch==${TORCH_VER
 WORKDIR /app
 USER higgs
 ENV HIGGS_DATA_DIR=/data \
-    HF_HOME=/data/hf
+    HF_HOME=/data/hf \
+    OMP_WAIT_POLICY=PASSIVE
 CMD ["celery", "-A", "worker.celery_app", "worker", "-Q", "higgs,higgs.gpu", "--concurrency", "1", "--loglevel", "INFO"]

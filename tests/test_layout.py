@@ -6,8 +6,13 @@ no installed package."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("app", "worker", "higgs_engine", "higgs_cli")
@@ -73,3 +78,16 @@ def test_scanner_sees_a_nested_import(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from benchmarks.common import fmt\n")
     assert [m for _, m in imported_modules(f)] == ["benchmarks.common"]
+
+
+@pytest.mark.parametrize("package", ["higgs_cli.main", "worker.celery_app"])
+def test_cli_and_worker_wait_passively_unless_told_otherwise(package: str) -> None:
+    # Set before torch loads its OpenMP runtime (it reads the policy once); a value in the
+    # environment is kept.
+    code = f"import os, {package}; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "PASSIVE", out.stderr[-500:]
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "ACTIVE", out.stderr[-500:]
