@@ -3,7 +3,8 @@ so that a format the model cannot have (gguf for an architecture llama.cpp's con
 know) is a 422 when the job is asked for, not a failed job later.
 
 The file comes from the Hub endpoint huggingface_hub uses (HF_ENDPOINT, default
-https://huggingface.co) with its token when there is one (HF_TOKEN or a stored login). The
+https://huggingface.co) with the token it would send (HF_TOKEN or the stored login), read
+here without importing it. The
 whole fetch is bounded by `timeout_s` of wall time and 1 MiB; anything that goes wrong (no
 network, a private or gated repository, a missing file, a slow answer, bad JSON) answers None:
 the architecture is then unknown here and the worker checks it before any work. Answers are
@@ -14,6 +15,7 @@ costs one timeout a minute, not one per submit).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from urllib.parse import quote
@@ -30,20 +32,34 @@ _cache: dict[tuple[str, str], tuple[float, str | None]] = {}
 _lock = threading.Lock()
 
 
-def _config_url(model_id: str, revision: str) -> str:
-    from huggingface_hub import constants
+def hub_endpoint() -> str:
+    """The Hub's address as huggingface_hub reads it (HF_ENDPOINT), without importing it
+    (the API process keeps the model-side libraries out)."""
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
-    return (
-        f"{constants.ENDPOINT.rstrip('/')}/{model_id}/resolve/{quote(revision, safe='')}"
-        "/config.json"
+
+def hub_token() -> str | None:
+    """The token huggingface_hub would send: HF_TOKEN, else the stored login."""
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token.strip()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
     )
+    try:
+        with open(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def _config_url(model_id: str, revision: str) -> str:
+    return f"{hub_endpoint().rstrip('/')}/{model_id}/resolve/{quote(revision, safe='')}/config.json"
 
 
 def _fetch(url: str, timeout_s: float) -> bytes | None:
-    from huggingface_hub import get_token
-
     headers = {"User-Agent": "higgs-service (architecture check)"}
-    token = get_token()
+    token = hub_token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
     deadline = time.monotonic() + timeout_s

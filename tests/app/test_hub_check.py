@@ -29,10 +29,12 @@ CONFIGS = {
 
 class _Hub(BaseHTTPRequestHandler):
     seen: list[str] = []
+    auth: list[str | None] = []
     delay_s = 0.0
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         _Hub.seen.append(self.path)
+        _Hub.auth.append(self.headers.get("Authorization"))
         parts = self.path.strip("/").split("/")
         repo = "/".join(parts[:2])
         if len(parts) != 5 or parts[2] != "resolve" or parts[4] != "config.json":
@@ -55,14 +57,15 @@ class _Hub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from huggingface_hub import constants
-
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
-    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setattr(hub_config, "_cache", {})
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", "/nonexistent")
     _Hub.seen.clear()
+    _Hub.auth.clear()
     _Hub.delay_s = 0.0
     try:
         yield url
@@ -116,3 +119,12 @@ def test_other_formats_never_ask_the_hub(hub: str, tmp_path: Path) -> None:
     req = JobCreate.model_validate({"model": {"id": "org/odd"}, "target": {"bits": 4}})
     validate_request(req, _settings(tmp_path, 3.0))
     assert _Hub.seen == []
+
+
+def test_the_services_hub_token_is_sent(
+    hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    validate_request(_gguf("org/llama"), _settings(tmp_path, 3.0))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    validate_request(_gguf("org/llama", "v2"), _settings(tmp_path, 3.0))
+    assert _Hub.auth == [None, "Bearer hf_secret"]
