@@ -76,7 +76,7 @@ def main() -> None:
         (gptq, "_finish", "finish (unrotate, pack)"),
         (gptq, "nearest_searcher", "search tables"),
         (cal_mod, "_capture", "block inputs capture"),
-        (pipeline, "_stream_tensors", "writing artifacts"),
+        (pipeline, "stream_tensors", "writing artifacts"),
     ]
     for owner, name, key in parts:
         _wrap(owner, name, key)

@@ -40,9 +40,9 @@ from devtools.quality import SMOLLM_DIR  # noqa: E402
 from higgs_engine.dynamic import (  # noqa: E402
     DEFAULT_PROFILE,
     calibration_windows,
-    load_float_model,
     profile_config_for,
 )
+from higgs_engine.model_loading import load_float_model  # noqa: E402
 from higgs_engine.model_structure import quantizable_layers  # noqa: E402
 from higgs_engine.profile import compute_profile  # noqa: E402
 from higgs_engine.selfgen import (  # noqa: E402

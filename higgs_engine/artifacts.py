@@ -27,17 +27,17 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.model_loading import model_key, params_on_meta
 from higgs_engine.model_structure import (
     LayerSpec,
     build_meta_model,
     load_config,
-    match_key,
     model_class,
 )
 from higgs_engine.safetensors_stream import (
@@ -358,46 +358,10 @@ def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device but buffers for real, in this thread only.
-
-    Parameters of nn.Linear, nn.Embedding and Conv1D are allocated with torch.empty and filled
-    from the artifact; a torch function mode (thread-local, like torch.device) sends those
-    calls to the meta device and nothing else, so nothing global is patched and other threads
-    build their models as usual. Non-persistent buffers (rotary inv_freq, causal masks) are
-    computed in __init__ with other factories and never stored in a checkpoint, so they stay
-    real.
-    """
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    class _EmptyOnMeta(TorchFunctionMode):
-        def __torch_function__(
-            self,
-            func: Any,
-            types: Any,
-            args: tuple[Any, ...] = (),
-            kwargs: dict[str, Any] | None = None,
-        ) -> Any:
-            kwargs = dict(kwargs or {})
-            if func is torch.empty:
-                kwargs["device"] = "meta"
-            return func(*args, **kwargs)
-
-    with _EmptyOnMeta():
-        yield
-
-
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
-
-
-def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
-    """Map a stored tensor name to the model's (checkpoint.match_key; unchanged if none)."""
-    return match_key(key, model_keys, prefix) or key
 
 
 class _WeightFiles:
@@ -452,7 +416,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     store_dtype = torch_dtype(str(qc.get("dtype", "float16")))
     config = load_config(path)
     build_meta_model(config)  # fail with a clear error if transformers cannot build it
-    with _params_on_meta():
+    with params_on_meta():
         model = model_class(config)._from_config(config, dtype=dtype or store_dtype)  # type: ignore[attr-defined]
 
     tied_head = _tied_head(model)
@@ -495,7 +459,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         plain: dict[str, torch.Tensor] = {}
         plain_keys: list[tuple[str, str]] = []
         for k in sorted(keys - used):
-            mk = _model_key(k, model_sd_keys, prefix)
+            mk = model_key(k, model_sd_keys, prefix)
             t = handle.get_tensor(k)
             plain[mk] = t.to(dtype or store_dtype) if t.is_floating_point() else t
             plain_keys.append((k, mk))

@@ -168,7 +168,8 @@ def self_calibration(
     calibration pass itself never does)."""
     import torch
 
-    from higgs_engine.dynamic import load_float_model, source_fingerprint
+    from higgs_engine.model_loading import load_float_model
+    from higgs_engine.planning.profile import source_fingerprint
     from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens, selfgen_id
 
     if not isinstance(tokens, int) or tokens < 2:
@@ -346,11 +347,11 @@ def run_calibrated(
     progress(stage, layers done, total) after every layer; a False return cancels."""
     import torch
 
-    from higgs_engine.artifacts import _model_key, _params_on_meta
+    from higgs_engine.model_loading import model_key, params_on_meta
     from higgs_engine.model_structure import build_meta_model, model_class
 
     build_meta_model(hf_config)  # a clear error if transformers cannot build it
-    with _params_on_meta():
+    with params_on_meta():
         model = model_class(hf_config)._from_config(hf_config, dtype=torch.float32)  # type: ignore[attr-defined]
     model.eval()
     by_name = {s.name: s for s in specs}
@@ -360,7 +361,7 @@ def run_calibrated(
 
     params = dict(model.named_parameters(remove_duplicate=False))
     prefix = str(getattr(model, "base_model_prefix", "") or "")
-    to_ckpt = {_model_key(k, set(params), prefix): k for k in reader}
+    to_ckpt = {model_key(k, set(params), prefix): k for k in reader}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = tuple(n + "." for n, m in model.named_modules() if head is not None and m is head)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError, ProfileNotFoundError
+from higgs_engine.model_loading import load_float_model
 from higgs_engine.planning.allocator import Option
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.plans import (
@@ -61,30 +62,6 @@ _JOB_PARETO_STEP = 0.5
 # ---------------------------------------------------------------------------------------------
 # Profiles of a checkpoint
 # ---------------------------------------------------------------------------------------------
-
-
-def load_float_model(path: Path) -> tuple[nn.Module, Any]:
-    """The checkpoint in float32 on CPU (the profile perturbs it in place), and its tokenizer.
-
-    A causal LM is loaded with its LM head; any other checkpoint (an encoder) as the class its
-    config names (e.g. BertModel), whose base model's final hidden state the "cos" metric reads.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from higgs_engine.model_structure import load_config, model_class, model_kind
-
-    if model_kind(load_config(Path(path))) == "causal":
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        cls: Any = model_class(load_config(Path(path)))
-        model = cls.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        tok = None
-    return model, tok
 
 
 def calibration_windows(

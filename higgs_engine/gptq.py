@@ -42,11 +42,11 @@ from higgs_engine.quantize import (
     FP16_MAX,
     SCALE_RULES,
     QuantizedMatrix,
-    _check_inputs,
-    _column_groups,
-    _fit_scales,
-    _group_rms,
+    check_inputs,
+    column_groups,
+    fit_scales,
     group_lengths,
+    group_rms,
 )
 
 __all__ = [
@@ -231,7 +231,7 @@ def _higgs_setup(
     The scales follow `scale_rule` exactly as data-free HIGGS would choose them for W'."""
     if scale_rule not in SCALE_RULES:
         raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
-    _check_inputs(W, p, n, group_size, rotation_block)
+    check_inputs(W, p, n, group_size, rotation_block)
     if not bool(torch.isfinite(W).all()):
         raise InvalidConfigError(f"W has {int((~torch.isfinite(W)).sum())} non-finite values")
     out_f, in_f = W.shape
@@ -247,7 +247,7 @@ def _higgs_setup(
         )
     signs = None if sign_seed is None else random_signs(in_f, sign_seed)
     y = rotate(W.to(torch.float64), layout, signs)  # (out, in) float64
-    rms = _group_rms(y.to(torch.float32), lens, group_size)  # (out, G)
+    rms = group_rms(y.to(torch.float32), lens, group_size)  # (out, G)
     if bool((rms > FP16_MAX).any()):
         raise InvalidConfigError(
             f"a scale group RMS of {float(rms.max()):.4g} exceeds the fp16 range"
@@ -256,9 +256,9 @@ def _higgs_setup(
     if scale_rule == "rms":
         s16 = rms.to(torch.float16)
     else:
-        col_group = _column_groups(lens, torch.device("cpu"))
+        col_group = column_groups(lens, torch.device("cpu"))
         y32 = y.to(torch.float32)
-        s16, _ = _fit_scales(y32, rms, lens, group_size, g32, "auto", col_group, scale_rule)
+        s16, _ = fit_scales(y32, rms, lens, group_size, g32, "auto", col_group, scale_rule)
     return layout, lens, signs, g32, y, s16.cpu()
 
 

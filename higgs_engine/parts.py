@@ -46,6 +46,14 @@ from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
+from higgs_engine.run_core import (
+    LayerPlan,
+    RunContext,
+    Written,
+    build_report,
+    plan_layers,
+    stream_tensors,
+)
 from higgs_engine.safetensors_stream import (
     SHARD_INDEX,
     CheckpointReader,
@@ -54,7 +62,6 @@ from higgs_engine.safetensors_stream import (
 )
 
 if TYPE_CHECKING:
-    from higgs_engine.pipeline import LayerPlan, _RunContext
     from higgs_engine.sources import ResolvedSource
 
 PART_META = "part.json"
@@ -138,8 +145,6 @@ def _all_keys(path: Path) -> list[str]:
 def _plans(
     path: Path, hf_config: Any, config: HiggsConfig
 ) -> tuple[list[LayerSpec], list[LayerPlan]]:
-    from higgs_engine.pipeline import plan_layers
-
     specs = scope_specs(hf_config, _all_keys(path), config.scope)
     return specs, plan_layers(specs, config)
 
@@ -175,12 +180,11 @@ def _local_context(
     config: HiggsConfig,
     progress: ProgressCallback | None,
     device: str | None,
-) -> _RunContext:
-    """The pipeline's run context for a source already on local disk (nothing to resolve)."""
+) -> RunContext:
+    """The run context for a source already on local disk (nothing to resolve)."""
     from higgs_engine.device import resolve_device
-    from higgs_engine.pipeline import _RunContext
 
-    return _RunContext(
+    return RunContext(
         source=source,
         tmp=out_dir,
         config=config,
@@ -215,7 +219,6 @@ def quantize_part(
     returning False cancels.
     """
     from higgs_engine.artifacts import ArtifactWriter
-    from higgs_engine.pipeline import _stream_tensors
 
     t0 = time.perf_counter()
     source = Path(source)
@@ -242,7 +245,7 @@ def quantize_part(
                 grids_in_native=False,
             )  # fmt: skip
             try:
-                rows = _stream_tensors(ctx, reader, mine, writer, {}, total)
+                rows = stream_tensors(ctx, reader, mine, writer, {}, total)
                 sizes = writer.finish_part()
             except BaseException:
                 writer.abort()
@@ -361,7 +364,6 @@ def assemble_metadata(
     the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
     seconds) and its `files` every file of each format, the parts' shards included."""
     from higgs_engine.artifacts import quantization_config, write_configs
-    from higgs_engine.pipeline import _build_report, _Written
     from higgs_engine.sources import ResolvedSource
 
     t0 = time.perf_counter()
@@ -416,7 +418,7 @@ def assemble_metadata(
         missing = [s.name for s in specs if s.name not in rows]
         if missing:
             raise CorruptCheckpointError(f"no part holds the layers {missing[:5]}")
-        written = _Written(
+        written = Written(
             rows=rows,
             files=files,
             grid_bytes=grid_bytes,
@@ -434,7 +436,7 @@ def assemble_metadata(
         )
         ctx.timings["packaging"] = time.perf_counter() - t0
         src = resolved or ResolvedSource(source, str(source), None, "local")
-        rep = _build_report(ctx, src, hf_config, specs, plans, written)
+        rep = build_report(ctx, src, hf_config, specs, plans, written)
         rep.metrics["parts"] = [
             {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in ordered
         ]

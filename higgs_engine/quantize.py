@@ -32,8 +32,12 @@ from higgs_engine.scale_search import TABLE_MAX_POINTS, scale_table_for, score_m
 
 __all__ = [
     "QuantizedMatrix",
+    "check_inputs",
+    "column_groups",
     "dequantize_matrix",
+    "fit_scales",
     "group_lengths",
+    "group_rms",
     "higgs_matmul",
     "nearest_points",
     "nearest_points_reference",
@@ -211,7 +215,7 @@ class QuantizedMatrix:
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_inputs(W: torch.Tensor, p: int, n: int, group_size: int, rotation_block: int) -> None:
+def check_inputs(W: torch.Tensor, p: int, n: int, group_size: int, rotation_block: int) -> None:
     if not isinstance(W, torch.Tensor) or W.dim() != 2:
         shape = tuple(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
         raise InvalidConfigError(f"W must be a 2-D tensor, got {shape}")
@@ -244,7 +248,7 @@ def _row_chunk(in_features: int) -> int:
     return max(8, (CHUNK_ELEMENTS // in_features) // 8 * 8)
 
 
-def _group_rms(y: torch.Tensor, group_lens: Sequence[int], group_size: int) -> torch.Tensor:
+def group_rms(y: torch.Tensor, group_lens: Sequence[int], group_size: int) -> torch.Tensor:
     """RMS of each scale group: (rows, in) -> (rows, groups), float32."""
     rows, width = y.shape
     full = sum(length for length in group_lens if length == group_size)
@@ -320,7 +324,7 @@ def _scaled(
 # ----------------------------------------------------------------------------- scales
 
 
-def _column_groups(group_lens: Sequence[int], device: torch.device) -> torch.Tensor:
+def column_groups(group_lens: Sequence[int], device: torch.device) -> torch.Tensor:
     """Scale-group index of every column of a row: (in,) int64."""
     return torch.repeat_interleave(
         torch.arange(len(group_lens), device=device),
@@ -373,7 +377,7 @@ def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
     return s.clamp(max=FP16_MAX).to(torch.float16)
 
 
-def _fit_scales(
+def fit_scales(
     y: torch.Tensor,
     rms: torch.Tensor,
     group_lens: Sequence[int],
@@ -577,7 +581,7 @@ def quantize_matrix_full(
     """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
     codes while they are at hand (no pack / unpack round trip): the same values as
     `dequantize_matrix(q)`, which the tests check."""
-    _check_inputs(W, p, n, group_size, rotation_block)
+    check_inputs(W, p, n, group_size, rotation_block)
     if scale_rule not in SCALE_RULES:
         raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
     if scale_search not in SCALE_SEARCHES:
@@ -604,11 +608,11 @@ def quantize_matrix_full(
     w_hat = torch.empty(out_f, in_f, dtype=torch.float32) if dequantized else None
     packed: list[torch.Tensor] = []
     step = _row_chunk(in_f)
-    col_group = _column_groups(lens, dev)
+    col_group = column_groups(lens, dev)
     for r0 in range(0, out_f, step):
         w = W[r0 : r0 + step].to(device=dev, dtype=torch.float32)  # (rows, in)
         y = rotate(w, layout, signs)  # (rows, in)
-        rms = _group_rms(y, lens, group_size)  # (rows, G)
+        rms = group_rms(y, lens, group_size)  # (rows, G)
         # A nan/inf weight makes its group's RMS non-finite: checking the (rows, G) RMS is
         # much cheaper than scanning W, and the full scan only runs to name the count.
         if not bool(torch.isfinite(rms).all()):
@@ -621,7 +625,7 @@ def quantize_matrix_full(
             s16 = rms.to(torch.float16)
             codes = _codes_for(y, s16, lens, group_size, grid, search, inplace=True)
         else:
-            s16, codes = _fit_scales(
+            s16, codes = fit_scales(
                 y, rms, lens, group_size, grid, search, col_group, scale_rule, scale_search
             )
         scales[r0 : r0 + step] = s16.cpu()

@@ -499,7 +499,7 @@ def _report(
     alphas: np.ndarray | None,
     metrics: dict[str, Any],
 ) -> Report:
-    from higgs_engine.pipeline import versions
+    from higgs_engine.run_core import versions
 
     pos = {t.name: j for j, t in enumerate(run.menu)}
     layers = []

@@ -33,6 +33,7 @@ from higgs_engine.planning.layout import block_layout
 from higgs_engine.planning.options import KEEP_16, Option, default_options, option_menu
 
 __all__ = [
+    "FP16_BITS",
     "KEEP_16",
     "Allocation",
     "DPTable",
@@ -51,7 +52,7 @@ __all__ = [
 
 _GRID_COORD_BITS = 32  # the native artifact stores each grid once, in float32
 _NEVER = 2**62  # cost units of an option a layer may not use
-_FP16_BITS = 16
+FP16_BITS = 16  # bits per weight of a layer kept at 16 bits
 
 
 def layer_bits(
@@ -60,7 +61,7 @@ def layer_bits(
     in_features: int,
     group_size: int = 256,
     rotation_block: int = 1024,
-    keep_bits: int = _FP16_BITS,
+    keep_bits: int = FP16_BITS,
 ) -> float:
     """Bits one (out x in) layer occupies with `option`, its own overheads included.
 
@@ -79,7 +80,7 @@ def layer_bits(
     scales_per_row = sum(max(1, h // group_size) for h in layout)
     # codes: log2(n) bits per p-tuple, bit-packed into whole bytes per layer
     code = 8 * math.ceil(numel // option.p * int(math.log2(option.n)) / 8)
-    return code + _FP16_BITS * out_features * scales_per_row
+    return code + FP16_BITS * out_features * scales_per_row
 
 
 def grid_bits(option: Option) -> float:
@@ -148,7 +149,7 @@ def build_problem(
     rotation_block: int = 1024,
     mse: Callable[[Option], float] | None = None,
     measured_mse: np.ndarray | None = None,
-    keep_bits: int = _FP16_BITS,
+    keep_bits: int = FP16_BITS,
 ) -> Problem:
     """Costs and errors of every (layer, option).
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.allocator import (
-    _FP16_BITS,
+    FP16_BITS,
     Allocation,
     AllocLayer,
     DPTable,
@@ -237,7 +237,7 @@ def build_table(
         group_size=config.group_size,
         rotation_block=config.rotation_block,
         # kept layers are stored in the artifact's dtype
-        keep_bits=32 if config.dtype == "float32" else _FP16_BITS,
+        keep_bits=32 if config.dtype == "float32" else FP16_BITS,
     )
     return solve(problem, max_avg_bits, resolution)
 

@@ -179,14 +179,14 @@ def test_params_on_meta_affects_only_the_loading_thread() -> None:
     construct meanwhile."""
     import threading
 
-    from higgs_engine.artifacts import _params_on_meta
+    from higgs_engine.model_loading import params_on_meta
 
     inside = threading.Event()
     release = threading.Event()
     seen: dict[str, str] = {}
 
     def loader() -> None:
-        with _params_on_meta():
+        with params_on_meta():
             seen["loader"] = torch.nn.Linear(4, 4).weight.device.type
             inside.set()
             release.wait(10)

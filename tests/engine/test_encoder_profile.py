@@ -14,10 +14,10 @@ from higgs_engine.dynamic import (
     calibration_windows,
     encoder_windows,
     get_profile,
-    load_float_model,
     profile_config_for,
 )
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.model_loading import load_float_model
 from higgs_engine.model_structure import load_config, model_kind
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.plans import Target, plan_allocation, ppl_increase_from

@@ -20,10 +20,11 @@ from higgs_engine.errors import (
 )
 from higgs_engine.model_structure import quantizable_layers
 from higgs_engine.output import OutputExistsError
-from higgs_engine.pipeline import quantize_checkpoint, quantize_layer
+from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix, relative_error
 from higgs_engine.report import Report
+from higgs_engine.run_core import quantize_layer
 
 CFG = HiggsConfig(p=2, n=256)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from higgs_engine.dynamic import calibration_windows, get_profile, load_float_model
+from higgs_engine.dynamic import calibration_windows, get_profile
 from higgs_engine.errors import CancelledError, InvalidConfigError, ProfileNotFoundError
+from higgs_engine.model_loading import load_float_model
 from higgs_engine.planning.profile import Profile, ProfileConfig
 from higgs_engine.profile import BlockReplay, compute_profile, fit_through_origin
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from higgs_engine.dynamic import load_float_model
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.model_loading import load_float_model
 from higgs_engine.selfgen import (
     SelfGenConfig,
     _nucleus_top,
