@@ -14,10 +14,6 @@ PACKAGES = ("higgs_engine", "app", "worker", "higgs_cli", "migrations")
 
 # (importing module, imported module, name) of today's private imports across modules.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = {
-    ("higgs_cli.gguf_cmds", "higgs_cli.dynamic_cmds", "_load_profile"),
-    ("higgs_cli.gguf_cmds", "higgs_cli.dynamic_cmds", "_profile_config"),
-    ("higgs_cli.gguf_cmds", "higgs_cli.dynamic_cmds", "_read_text"),
-    ("higgs_cli.gguf_cmds", "higgs_cli.dynamic_cmds", "_target"),
     ("higgs_engine.calibration", "higgs_engine.artifacts", "_model_key"),
     ("higgs_engine.calibration", "higgs_engine.artifacts", "_params_on_meta"),
     ("higgs_engine.gptq", "higgs_engine.quantize", "_check_inputs"),
@@ -38,7 +34,6 @@ KNOWN_CYCLES: list[set[str]] = [
         "higgs_engine.parts",
         "higgs_engine.pipeline",
     },
-    {"higgs_cli.dynamic_cmds", "higgs_cli.engine_cmds", "higgs_cli.gguf_cmds"},
 ]
 
 
