@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         args.render.with_suffix(".md").write_text(render(res).rstrip() + "\n")
         return 0
     if args.profile_cache is None:
-        from higgs_cli.dynamic_cmds import default_profile_cache
+        from higgs_cli.common import default_profile_cache
 
         args.profile_cache = default_profile_cache()
     import torch

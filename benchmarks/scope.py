@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             write_results(f"scope_{name}", res, render(res), args.out_dir)
         return 0
     if args.profile_cache is None:
-        from higgs_cli.dynamic_cmds import default_profile_cache
+        from higgs_cli.common import default_profile_cache
 
         args.profile_cache = default_profile_cache()
     torch.set_num_threads(args.threads)

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-# The installed console script (`python -m higgs_cli.main` would run main.py as __main__, a
-# second copy of the module whose CliError the verb modules do not raise).
+# The installed console script, or its entry point when it is not installed.
 _SCRIPT = Path(sys.executable).with_name("higgs")
 HIGGS = (
     [str(_SCRIPT)]

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
-from higgs_cli.main import CliError
+from higgs_cli.common import CliError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")

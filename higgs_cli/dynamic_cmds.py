@@ -13,7 +13,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.main import CliError
+from higgs_cli.common import (
+    CliError,
+    StageBars,
+    default_profile_cache,
+    dynamic_target,
+    load_profile,
+    profile_config,
+    quiet_libraries,
+    read_text_option,
+)
 from higgs_engine.planning.profile import DEFAULT_PROFILE
 
 
@@ -108,14 +117,6 @@ def _add_profile_options(p: Any, prefix: str = "") -> None:
         help="profile and generated-text cache, reused when model, revision, data, metric and "
         "budget match (default $XDG_CACHE_HOME/higgs/profiles, i.e. ~/.cache/higgs/profiles)",
     )
-
-
-def default_profile_cache() -> Path:
-    """Where profiles and self-generated text are cached when no --cache DIR is given."""
-    import os
-
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "higgs" / "profiles"
 
 
 def register(subparsers: Any) -> None:
@@ -223,51 +224,13 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
     _add_profile_options(g, "profile-")
 
 
-def _profile_config(args: argparse.Namespace, prefix: str = "") -> Any:
-    from higgs_engine.planning.profile import ProfileConfig
-
-    def get(name: str) -> Any:
-        return getattr(args, (prefix + name).replace("-", "_"))
-
-    tokens, context = int(get("tokens")), int(get("context"))
-    if tokens < 2:
-        raise CliError(f"--{prefix}tokens {tokens} must be at least 2")
-    if context < 2:
-        raise CliError(f"--{prefix}context {context} must be at least 2")
-    context = min(context, tokens)
-    if get("metric") == "ppl" and get("text") is None:
-        raise CliError(
-            f"--{prefix}metric ppl needs --{prefix}text FILE (perplexity of random tokens means nothing)"
-        )
-    return ProfileConfig(
-        metric=get("metric"),
-        method="noise" if get("noise") else "fisher",
-        data_free="random" if get("random_tokens") else "self",
-        levels=tuple(get("levels")),
-        context=context,
-        windows=max(1, tokens // context),
-        seed=int(get("seed")),
-        fisher_samples=int(get("samples")),
-    )
-
-
-def _read_text(args: argparse.Namespace, prefix: str = "") -> str | None:
-    path = getattr(args, (prefix + "text").replace("-", "_"))
-    if path is None:
-        return None
-    from higgs_engine.evaluate import read_text
-
-    return read_text(Path(path))
-
-
 def _skip(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(pat for group in args.skip for pat in group)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    cfg = _profile_config(args)
-    text = _read_text(args)
-    from higgs_cli.engine_cmds import StageBars, quiet_libraries
+    cfg = profile_config(args)
+    text = read_text_option(args)
     from higgs_engine.dynamic import get_profile
 
     quiet_libraries()  # transformers' own loading bar and warnings: stderr is ours
@@ -314,33 +277,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_profile(path: str) -> Any:
-    from higgs_engine.planning.profile import Profile
-
-    prof = Profile.load(Path(path))
-    if not prof.complete:
-        raise CliError(
-            f"profile {path!r} is incomplete ({len(prof.layers)} layers); rerun `higgs profile` to finish it"
-        )
-    return prof
-
-
-def _target(avg_bits: float | None, max_ppl: float | None) -> Any:
-    from higgs_engine.planning.plans import Target
-
-    if avg_bits is None and max_ppl is None:
-        return None
-    return Target(avg_bits=avg_bits, max_ppl_increase=max_ppl)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig(
         group_size=args.group_size, rotation_block=args.rotation_block, skip=_skip(args)
     )
-    target = _target(args.avg_bits, args.max_ppl_increase)
-    prof = _load_profile(args.profile)
+    target = dynamic_target(args.avg_bits, args.max_ppl_increase)
+    prof = load_profile(args.profile)
     from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.planning.plans import plan_allocation, ppl_increase_from
     from higgs_engine.sources import resolve_source
@@ -387,12 +331,14 @@ def dynamic_quantize(
     """Run `higgs quantize` with a dynamic target, or uniform HIGGS with --profile (the report
     then carries the predicted change); None when neither applies (the caller then runs plain
     uniform HIGGS)."""
-    target = _target(getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None))
+    target = dynamic_target(
+        getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
+    )
     overwrite = bool(getattr(args, "overwrite", False))
     if target is None:
         if not getattr(args, "profile", None):
             return None
-        prof = _load_profile(args.profile)
+        prof = load_profile(args.profile)
         from higgs_engine.pipeline import quantize_checkpoint
         from higgs_engine.planning.plans import annotate_report
 
@@ -418,12 +364,12 @@ def dynamic_quantize(
     from higgs_engine.planning.options import option_menu
 
     if args.profile:
-        how: dict[str, Any] = {"profile": _load_profile(args.profile)}
+        how: dict[str, Any] = {"profile": load_profile(args.profile)}
     else:
-        text = _read_text(args, "profile-")
+        text = read_text_option(args, "profile-")
         if text is None and calibration_text is not None:
             text = calibration_text  # profile and calibration share the user's text
-        how = {"profile_config": _profile_config(args, "profile-"), "text": text}
+        how = {"profile_config": profile_config(args, "profile-"), "text": text}
     cache = Path(args.profile_cache) if args.profile_cache else default_profile_cache()
     result = run_dynamic(
         args.source,

@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.main import CliError
+from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
 from higgs_engine.planning.config import (
     DEFAULT_SCALE_RULE,
     DEFAULT_SIGN_SEED,
@@ -177,61 +176,6 @@ def _dynamic_hooks() -> Any:
     return dynamic_cmds
 
 
-# What each stage's progress counts (the engine's progress callbacks): "generating" is the
-# data-free text sampled token by token, "profiling" the Fisher passes over its windows (a
-# noise-injection profile counts layers instead: see StageBars' units).
-STAGE_UNITS = {
-    "generating": "token",
-    "profiling": "window",
-    "quantizing": "layer",
-    "evaluating": "window",
-    "measuring": "tensor",
-}
-
-
-class StageBars:
-    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY).
-    `units` overrides STAGE_UNITS per stage (e.g. profiling in layers for the noise method)."""
-
-    def __init__(self, quiet: bool, units: dict[str, str] | None = None) -> None:
-        self.quiet = quiet
-        self.units = {**STAGE_UNITS, **(units or {})}
-        self.stage: str | None = None
-        self.bar: Any = None
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.quiet:
-            return
-        from tqdm import tqdm
-
-        if stage != self.stage:
-            self.close()
-            self.stage = stage
-            unit = self.units.get(stage, "step")
-            # disable=None: tqdm turns itself off when stderr is not a terminal.
-            self.bar = tqdm(
-                total=total, desc=stage, unit=unit, file=sys.stderr, disable=None, leave=False
-            )
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.n = done
-            self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def quiet_libraries() -> None:
-    """Silence transformers' own progress bars and warnings: stderr carries our bar or our
-    one-line error, nothing else."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def _engine_config(args: argparse.Namespace) -> Any:
     from higgs_engine.planning.config import HiggsConfig
 
@@ -278,8 +222,6 @@ def _calibration_text(args: argparse.Namespace) -> str | None:
 
 def _text_cache(args: argparse.Namespace) -> Path:
     """Self-generated text is cached beside the profiles (--profile-cache, or the default)."""
-    from higgs_cli.dynamic_cmds import default_profile_cache
-
     given = getattr(args, "profile_cache", None)
     return Path(given) if given else default_profile_cache()
 

@@ -12,7 +12,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.main import CliError
+from higgs_cli.common import (
+    CliError,
+    default_profile_cache,
+    dynamic_target,
+    load_profile,
+    profile_config,
+    read_text_option,
+)
 
 
 def add_quantize_args(q: argparse.ArgumentParser) -> None:
@@ -93,13 +100,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     """The GGUF run `higgs quantize --format gguf ...` asks for; returns its Report."""
-    from higgs_cli.dynamic_cmds import (
-        _load_profile,
-        _profile_config,
-        _read_text,
-        _target,
-        default_profile_cache,
-    )
     from higgs_engine.dynamic import profile_stores
     from higgs_engine.errors import InvalidConfigError
     from higgs_engine.evaluate import read_text
@@ -112,7 +112,9 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     )
 
     _check_args(args)
-    target = _target(getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None))
+    target = dynamic_target(
+        getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
+    )
     bits = args.bits
     if target is None and args.ftype is None and bits is None:
         bits = 4.0
@@ -126,10 +128,10 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     kw: dict[str, Any] = {}
     if target is not None:
         if getattr(args, "profile", None):
-            kw["profile"] = _load_profile(args.profile)
+            kw["profile"] = load_profile(args.profile)
         else:
-            kw["profile_config"] = _profile_config(args, "profile-")
-            kw["profile_text"] = _read_text(args, "profile-")
+            kw["profile_config"] = profile_config(args, "profile-")
+            kw["profile_text"] = read_text_option(args, "profile-")
     try:
         run = GgufRun(
             args.source,

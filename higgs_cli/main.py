@@ -10,10 +10,13 @@ How verbs are wired (for the authors of the verb modules):
   `subparsers.add_parser(verb, help=...)` and sets a handler with
   `parser.set_defaults(handler=fn)`, where `fn(args: argparse.Namespace) -> int` returns the
   exit code. Heavy imports (torch, transformers, fastapi...) go inside the handlers.
-- Errors: raise `CliError(message, exit_code)` (or any `higgs_engine.errors.HiggsError`, or
-  `OSError`) and main() prints exactly one line `higgs: error: <message>` on stderr and exits
-  with that code (2 for bad input, 1 otherwise), never a traceback. `--debug` (before the verb)
+- Errors: raise `higgs_cli.common.CliError(message, exit_code)` (or any
+  `higgs_engine.errors.HiggsError`, or `OSError`) and main() prints exactly one line
+  `higgs: error: <message>` on stderr and exits with that code (2 for bad input, 1 otherwise), never a traceback. `--debug` (before the verb)
   re-raises instead, for developers.
+- What several verbs share (CliError, the per-stage progress bars, the profile cache's
+  default place, the profile / text / target helpers) lives in `higgs_cli.common`; verb
+  modules import it and never each other's helpers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from higgs_cli.common import CliError
 
 PROG = "higgs"
 
@@ -65,14 +70,6 @@ def missing_extra(exc: BaseException) -> str | None:
         f"this needs the '{extra}' extra, which is not installed (no {exc.name.split('.')[0]}): "
         f"pip install 'higgs-service[{extra}]'"
     )
-
-
-class CliError(Exception):
-    """An expected failure: printed as one line, exit with `exit_code`."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def _find_verb(argv: Sequence[str]) -> str | None:
@@ -161,8 +158,4 @@ def _classify(exc: BaseException) -> tuple[str, int]:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # Under `python -m higgs_cli.main` this file runs as __main__, while the verb modules import
-    # higgs_cli.main: call that module's main so their CliError is the one caught above.
-    from higgs_cli.main import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.main import CliError
+from higgs_cli.common import CliError
 
 # The API's ASGI application factory (uvicorn --factory).
 API_FACTORY = "app.main:create_app"

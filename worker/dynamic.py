@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.jobs.job_config import JobConfig
 from app.plans.profiles import find_profiles, profile_payload, store_profile
 from app.settings import Settings
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
@@ -280,3 +281,11 @@ def annotate_uniform(
     prof = DatabaseProfiles(sessions, source, None, ps.db_retry_s).find(request)
     if prof is not None:
         annotate_report(report, prof)
+
+
+def job_menu_p(job_cfg: JobConfig, request: dict[str, Any]) -> int | None:
+    """A dynamic job's option menu (options.p)."""
+    if job_cfg.menu_p is not None:
+        return job_cfg.menu_p
+    p = (request.get("options") or {}).get("p")  # a config stored before JobConfig had menu_p
+    return None if p is None else int(p)

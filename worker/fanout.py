@@ -50,21 +50,24 @@ from app.jobs.job_config import JobConfig
 from app.jobs.rows import ArtifactRow, FileRow
 from higgs_engine.errors import CancelledError, CorruptCheckpointError, HiggsError
 from higgs_engine.planning.config import HiggsConfig
-from worker.dbretry import DatabaseUnavailableError, retry_db
-from worker.messages import message_roots, public_message
-from worker.runner import (
+from worker.attempt import (
     Attempt,
+    Claimed,
+    Dispatch,
     Outcome,
     ProgressWriter,
-    RunnerConfig,
     SessionFactory,
-    _Claimed,
-    _fail,
-    clear_stale_staging,
     default_worker_id,
-    drop_other_attempts,
+    fail_job,
     heartbeating,
     job_error_code,
+)
+from worker.config import RunnerConfig
+from worker.dbretry import DatabaseUnavailableError, retry_db
+from worker.messages import message_roots, public_message
+from worker.publish import (
+    clear_stale_staging,
+    drop_other_attempts,
     record_success,
     remove_tree,
     staging_dir,
@@ -72,7 +75,6 @@ from worker.runner import (
 
 if TYPE_CHECKING:
     from worker.models import ModelSource
-    from worker.runner import Dispatch
 
 log = logging.getLogger("worker.fanout")
 
@@ -388,7 +390,7 @@ def assemble(
     job = _snapshot(sessions, job_id)
     if job is None:
         return Outcome("lost", "the job row disappeared")
-    claimed = _Claimed(
+    claimed = Claimed(
         job.model_id, dict(job.request), dict(job.config), job.model_revision, attempt
     )
     writer = ProgressWriter(
@@ -483,7 +485,7 @@ def assemble(
         log.error("job %s: assembly: artifact store unavailable (%s)", job_id, exc)
         return Outcome("storage_unavailable", str(exc))
     except Exception as exc:
-        out_c = _fail(sessions, job_id, worker_id, cfg, exc)
+        out_c = fail_job(sessions, job_id, worker_id, cfg, exc)
         _remove_parts(store, job_id, attempt)
         return out_c
     finally:
@@ -566,7 +568,7 @@ def _publish_small_files(
 
 def _annotate_dynamic(
     sessions: SessionFactory,
-    claimed: _Claimed,
+    claimed: Claimed,
     job_cfg: JobConfig,
     source: ModelSource,
     engine_cfg: HiggsConfig,
@@ -576,8 +578,7 @@ def _annotate_dynamic(
     """A dynamic job's report annotations (alphas, predicted change, allocation, target): the
     coordinator's plan derived again from the stored profile (deterministic: same profile,
     target and menu give the same allocation), checked against the config the parts used."""
-    from worker.dynamic import finish_dynamic_report, plan_dynamic_job
-    from worker.runner import _profiles, job_menu_p
+    from worker.dynamic import finish_dynamic_report, job_menu_p, plan_dynamic_job
 
     requested = (claimed.request.get("model") or {}).get("revision")
     planned = plan_dynamic_job(
@@ -587,7 +588,7 @@ def _annotate_dynamic(
         job_cfg.higgs_config(),
         dict(job_cfg.target),
         job_menu_p(job_cfg, claimed.request),
-        _profiles(cfg),
+        cfg.profile_settings(),
         None,
     )
     if planned.config.to_dict() != engine_cfg.to_dict():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from higgs_engine.errors import HiggsError
 
 if TYPE_CHECKING:
-    from worker.runner import RunnerConfig
+    from worker.config import RunnerConfig
 
 MAX_CHARS = 500
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})

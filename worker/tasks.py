@@ -70,7 +70,7 @@ class JobRequest(Request):
         if not (lost or timed_out) or self.worker_pid is None or not self.args:
             return
         job_id = str(self.args[0])
-        # The runner's worker id in the pool process that ran it (runner.default_worker_id).
+        # The runner's worker id in the pool process that ran it (worker.attempt.default_worker_id).
         owner = f"{socket.gethostname()}:{self.worker_pid}"
         settings = app.conf.higgs_settings
         sessions = sessions_for(settings)
@@ -153,7 +153,7 @@ class PartRequest(Request):
 
 
 def _runner_config() -> Any:
-    from worker.runner import RunnerConfig
+    from worker.config import RunnerConfig
 
     settings = app.conf.higgs_settings
     return RunnerConfig.from_settings(settings, detect_device(settings.device))

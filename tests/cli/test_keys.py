@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def higgs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HIGGS_")}
     return subprocess.run(
-        # What the `higgs` console script runs (`-m higgs_cli.main` would load main.py twice).
+        # What the `higgs` console script runs.
         [
             sys.executable,
             "-c",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from higgs_cli.engine_cmds import STAGE_UNITS, StageBars
+from higgs_cli.common import STAGE_UNITS, StageBars
 
 
 def test_generation_and_profiling_have_their_own_units() -> None:

@@ -13,7 +13,7 @@ from app.db.migrate import upgrade_database
 from app.db.session import create_db_engine, session_factory
 from app.settings import Settings
 from tests.fixtures import TINY_MODEL, build_tiny_checkpoint
-from worker.runner import RunnerConfig
+from worker.config import RunnerConfig
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ from app.keys.service import AuthKey, create_key
 from app.settings import Settings
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import TINY_TEXT, files_under
-from worker.runner import RunnerConfig, run_job
+from worker.config import RunnerConfig
+from worker.runner import run_job
 
 
 def _submit(

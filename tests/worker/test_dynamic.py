@@ -27,7 +27,8 @@ from higgs_engine.report import Report
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under
 from tests.worker.helpers import cancel_mid_run, create_job
-from worker.runner import RunnerConfig, run_job
+from worker.config import RunnerConfig
+from worker.runner import run_job
 
 # native only: the dequantized copy adds time and nothing to these checks
 NATIVE = {"formats": ["native"]}

@@ -24,8 +24,9 @@ from higgs_engine.planning.config import HiggsConfig
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import build_tiny_checkpoint, files_under
 from tests.worker.helpers import create_job, wait_until
+from worker.config import RunnerConfig
 from worker.fanout import assemble, run_part
-from worker.runner import RunnerConfig, run_job
+from worker.runner import run_job
 from worker.sweep import sweep_fanout
 
 BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}

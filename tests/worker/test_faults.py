@@ -30,9 +30,10 @@ from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under
 from tests.worker.helpers import create_job, wait_until
 from worker import sweep as sweep_mod
+from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, retry_db
 from worker.messages import is_storage_full, public_message, scrub_paths
-from worker.runner import RunnerConfig, run_job
+from worker.runner import run_job
 from worker.sweep import SweepThread, sweep
 
 BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}

@@ -21,7 +21,8 @@ from devtools.stack import free_port
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under
 from tests.worker.helpers import create_job
-from worker.runner import RunnerConfig, run_job
+from worker.config import RunnerConfig
+from worker.runner import run_job
 from worker.sweep import sweep
 
 BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}

@@ -16,7 +16,8 @@ from app.queue import enqueue_job
 from app.settings import TASK_NAME, Settings
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.worker.helpers import create_job
-from worker.runner import RunnerConfig, run_job
+from worker.config import RunnerConfig
+from worker.runner import run_job
 from worker.sweep import SweepThread, sweep
 
 BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}

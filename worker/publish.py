@@ -1,0 +1,204 @@
+"""An attempt's files: staging, publishing (a rename into artifacts_dir, or an upload to the
+artifact store), the success recorded with the artifact rows, and what earlier attempts left.
+
+Directory layout under artifacts_dir:
+    .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
+    <job_id>/<attempt>.<hex>/<format>/   published attempt, referenced by the artifact rows
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from app.artifacts.manifest import artifact_rows as manifest_rows
+from app.artifacts.store import ArtifactStore, StoreUnavailableError, UploadFile, join_uri
+from app.db.models import SUCCEEDED
+from app.jobs import state
+from app.jobs.rows import ArtifactRow
+from higgs_engine.errors import CancelledError, HiggsError
+from worker.attempt import Attempt, ProgressWriter, ours_now
+from worker.dbretry import retry_db
+
+# An attempt's records go out under the runner's logger name, wherever they are written.
+log = logging.getLogger("worker.runner")
+
+STAGING = ".staging"
+
+
+def staging_dir(artifacts_dir: Path, job_id: str, attempt: int) -> Path:
+    return artifacts_dir / STAGING / f"{job_id}.{attempt}.{uuid.uuid4().hex[:8]}"
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory: first renamed out of the way (atomic), then deleted."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.rename(trash)
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_stale_staging(artifacts_dir: Path, job_id: str) -> None:
+    """Leftovers of earlier attempts of this job (a killed worker cannot clean up after itself)."""
+    root = artifacts_dir / STAGING
+    if root.is_dir():
+        for p in root.glob(f"{job_id}.*"):
+            remove_tree(p)
+
+
+def publish(out_dir: Path, artifacts_dir: Path, job_id: str, attempt_name: str) -> Path:
+    """Move a finished engine output into artifacts_dir/<job_id>/<attempt_name> in one rename."""
+    job_dir = artifacts_dir / job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    final = job_dir / attempt_name
+    os.rename(out_dir, final)  # same filesystem: atomic
+    return final
+
+
+def prune_job_dir(artifacts_dir: Path, job_id: str, keep: Path | None) -> None:
+    """Remove every published attempt of the job except `keep` (and the job dir if empty)."""
+    job_dir = artifacts_dir / job_id
+    if not job_dir.is_dir():
+        return
+    for p in job_dir.iterdir():
+        if keep is None or p.resolve() != keep.resolve():
+            remove_tree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    if keep is None:
+        with contextlib.suppress(OSError):
+            job_dir.rmdir()
+
+
+def remove_empty_job_dir(artifacts_dir: Path, job_id: str) -> None:
+    with contextlib.suppress(OSError):
+        (artifacts_dir / job_id).rmdir()
+
+
+def artifact_rows(final: Path, formats: list[str]) -> list[ArtifactRow]:
+    rows = manifest_rows({fmt: final / fmt for fmt in formats if (final / fmt).is_dir()})
+    if not rows:
+        raise HiggsError(f"the engine wrote none of the requested formats {formats}")
+    return rows
+
+
+def _upload(
+    store: ArtifactStore,
+    out: Path,
+    job_id: str,
+    attempt_name: str,
+    formats: list[str],
+    writer: ProgressWriter,
+) -> tuple[str, list[ArtifactRow]]:
+    """Hash the engine's output (sha256 per file, computed here: S3 has no whole-object
+    SHA-256 for multipart uploads) and upload it under the attempt's URI, which no artifact
+    row names yet. Returns (attempt URI, artifact rows naming it)."""
+    rows = artifact_rows(out, formats)
+    uri = store.attempt_uri(job_id, attempt_name)
+    files = [
+        UploadFile(f"{row.format}/{f.path}", out / row.format / f.path, f.sha256)
+        for row in rows
+        for f in row.files
+    ]
+    done = 0
+
+    def should_stop() -> bool:
+        nonlocal done
+        go = writer("uploading", done, len(files))
+        done += 1
+        return not go
+
+    if not store.upload(uri, files, should_stop):
+        raise CancelledError("cancelled while uploading the artifacts")
+    writer("uploading", len(files), len(files))
+    return uri, [dataclasses.replace(row, uri=join_uri(uri, row.format)) for row in rows]
+
+
+def publish_result(
+    attempt: Attempt, out: Path, report: Any, formats: list[str], model_revision: str | None
+) -> Path:
+    """Upload (or move into artifacts_dir) a finished output directory, record the job as
+    succeeded with its report, layer and artifact rows in one transaction, and drop what
+    earlier attempts left. Nothing stays published when the success cannot be recorded."""
+    cfg, writer = attempt.cfg, attempt.writer
+    if writer.stop.is_set():
+        raise CancelledError("cancelled while packaging")
+    store = cfg.store
+    if store is not None:
+        uri, rows = _upload(store, out, attempt.job_id, attempt.staging.name, formats, writer)
+        final = out
+    else:
+        uri, final = "", publish(out, cfg.artifacts_dir, attempt.job_id, attempt.staging.name)
+    try:
+        if store is None:
+            rows = artifact_rows(final, formats)
+        record_success(attempt, report, rows, model_revision)
+    except BaseException:
+        # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
+        if store is not None:
+            with contextlib.suppress(Exception):  # a store that is away: the next attempt clears
+                store.delete_tree(uri)
+        remove_tree(final)
+        remove_empty_job_dir(cfg.artifacts_dir, attempt.job_id)
+        raise
+    drop_other_attempts(attempt, uri if store is not None else None, final)
+    return final
+
+
+def record_success(
+    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
+) -> None:
+    """The job succeeded with its report, layer and artifact rows: one transaction (retried
+    while the database is away; a retry after a commit whose reply was lost is no error)."""
+    sessions, job_id, worker_id, cfg = (
+        attempt.sessions,
+        attempt.job_id,
+        attempt.worker_id,
+        attempt.cfg,
+    )
+    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+    tries = 0
+
+    def record() -> None:
+        nonlocal tries
+        tries += 1
+        try:
+            with sessions() as s:
+                state.succeed(
+                    s,
+                    job_id,
+                    report_dict,
+                    None,
+                    rows,
+                    worker_id=worker_id,
+                    model_revision=model_revision,
+                )
+        except state.IllegalTransitionError:
+            # A retry after a commit whose reply was lost finds the job already ours.
+            if tries > 1 and ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
+                return
+            raise
+
+    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
+
+
+def drop_other_attempts(attempt: Attempt, uri: str | None, final: Path) -> None:
+    """Exactly one published artifact set per job: drop what earlier attempts left behind
+    (`uri` in the store, or the local directory `final` when there is no store)."""
+    cfg, job_id = attempt.cfg, attempt.job_id
+    if cfg.store is not None:
+        try:
+            cfg.store.clear_job(job_id, keep=uri)
+        except StoreUnavailableError as e:
+            log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)
+    else:
+        prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
