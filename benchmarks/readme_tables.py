@@ -20,6 +20,11 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("ablation_smollm2", "ablation.py --model smollm2 (three processes, joined with --merge)"),
     ("ablation_minilm", "ablation.py --model minilm"),
     ("error_structure", "error_structure.py"),
+    (
+        "speed_quiet",
+        "speed.py --threads 2 1 --repeats 5 --methods (the key methods) --no-pipeline "
+        "--no-gpu-path --skip-hqq --name speed_quiet (a quiet machine)",
+    ),
     ("speed_defaults", "speed.py --threads 2 1 --name speed_defaults (the key methods only)"),
     ("speed_defaults_2", "the same, a second run (files renamed from speed_defaults)"),
     ("scale_search", "scale_search.py"),
@@ -40,6 +45,9 @@ SECTIONS = [  # (results file stem, script that writes it)
         "profile_cost_quiet",
         "profile_cost.py --count 16 --length 96 --repeats 3 --name profile_cost_quiet",
     ),
+    ("omp_wait", "omp_wait.py --repeats 1"),
+    ("full_run", "full_run.py --model smollm2 (a quiet machine)"),
+    ("full_run_busy", "full_run.py --model all, on a busy machine (files renamed from full_run)"),
     ("allocator_speed", "allocator_speed.py"),
     ("service_api_quiet", "service_bench.py --api-only --no-sqlite --stem service_api_quiet"),
     ("service_api", "service_bench.py --api-only"),
