@@ -270,28 +270,11 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     )
     skipped = [b for b in budgets if b < smallest]
     for b in (b for b in budgets if b >= smallest):
-        t0 = time.perf_counter()
-        alloc = allocate_gguf(f, problem, GGUF_MENU, avg_bits=b)
-        alloc_s = time.perf_counter() - t0
         dst = work / f"{name}-higgs-{b:g}.gguf"
-        t0 = time.perf_counter()
-        quantize_file(base, dst, ftype="Q8_0", tensor_types=alloc.types, threads=args.threads)
-        q_s = time.perf_counter() - t0
-        label = f"allocator {b:g} bpw"
-        files[label] = dst
-        figs = file_figures([dst])
-        rows.append(
-            {
-                "method": label,
-                "data": "none (data-free profile)",
-                "target_bits": b,
-                "quantize_s": measure_s + alloc_s + q_s,
-                "measure_s": measure_s,
-                "predicted": alloc.predicted,
-                **figs,
-            }
-        )
-        print(f"[{name}] {label}: {figs['bits_per_weight']:.3f} bpw {figs['types']}", flush=True)
+        row = allocated_file(f, problem, b, base, dst, args.threads)
+        row.update(method=f"allocator {b:g} bpw", target_bits=b, measure_s=measure_s)
+        row["quantize_s"] += measure_s
+        add_row(name, rows, files, row, dst)
 
     rotation = None
     if (args.rotate or args.rotation_only) and not encoder:
@@ -337,6 +320,30 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     }
 
 
+def allocated_file(
+    f: Any, problem: Any, budget: float, base: Path, dst: Path, threads: int
+) -> dict[str, Any]:
+    """The allocator's file at `budget` bits per weight: its row (allocation + llama.cpp's
+    quantization seconds, the predicted change, the file's figures)."""
+    t0 = time.perf_counter()
+    alloc = allocate_gguf(f, problem, GGUF_MENU, avg_bits=budget)
+    quantize_file(base, dst, ftype="Q8_0", tensor_types=alloc.types, threads=threads)
+    return {
+        "data": "none (data-free profile)",
+        "quantize_s": time.perf_counter() - t0,
+        "predicted": alloc.predicted,
+        **file_figures([dst]),
+    }
+
+
+def add_row(
+    name: str, rows: list[dict[str, Any]], files: dict[str, Path], row: dict[str, Any], dst: Path
+) -> None:
+    files[row["method"]] = dst
+    rows.append(row)
+    print(f"[{name}] {row['method']}: {row['bits_per_weight']:.3f} bpw {row['types']}", flush=True)
+
+
 def run_rotated(
     name: str,
     checkpoint: Path,
@@ -372,30 +379,17 @@ def run_rotated(
         if b_rot < smallest:
             skipped.append(b)
             continue
-        t0 = time.perf_counter()
-        alloc = allocate_gguf(fr, problem, GGUF_MENU, avg_bits=b_rot)
-        alloc_s = time.perf_counter() - t0
         dst = work / f"{name}-higgs-rot-{b:g}.gguf"
-        t0 = time.perf_counter()
-        quantize_file(rbase, dst, ftype="Q8_0", tensor_types=alloc.types, threads=args.threads)
-        q_s = time.perf_counter() - t0
-        label = f"allocator {b:g} bpw + rotation"
-        files[label] = dst
-        figs = file_figures([dst])
-        rows.append(
-            {
-                "method": label,
-                "data": "none (data-free profile)",
-                "target_bits": b,
-                "rotated_target_bits": b_rot,
-                "quantize_s": rotate_s + measure_s + alloc_s + q_s,
-                "measure_s": measure_s,
-                "rotate_s": rotate_s,
-                "predicted": alloc.predicted,
-                **figs,
-            }
+        row = allocated_file(fr, problem, b_rot, rbase, dst, args.threads)
+        row.update(
+            method=f"allocator {b:g} bpw + rotation",
+            target_bits=b,
+            rotated_target_bits=b_rot,
+            measure_s=measure_s,
+            rotate_s=rotate_s,
         )
-        print(f"[{name}] {label}: {figs['bits_per_weight']:.3f} bpw {figs['types']}", flush=True)
+        row["quantize_s"] += rotate_s + measure_s
+        add_row(name, rows, files, row, dst)
     return {
         "plan": rc.plan,
         "added_params": rc.added_params,

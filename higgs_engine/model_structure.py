@@ -197,23 +197,10 @@ def layer_specs(
     model = model if model is not None else build_meta_model(config)
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     keys = set(checkpoint_keys) if checkpoint_keys is not None else None
-    specs = []
-    for name, mod, transposed in _linear_modules(model):
-        w: torch.Tensor = mod.weight  # type: ignore[assignment]
-        out_f, in_f = (
-            (int(w.shape[1]), int(w.shape[0])) if transposed else (int(w.shape[0]), int(w.shape[1]))
-        )
-        key = f"{name}.weight"
-        bias = getattr(mod, "bias", None)
-        bias_key: str | None = f"{name}.bias" if bias is not None else None
-        if keys is not None:
-            matched = match_key(key, keys, prefix)
-            if matched is None:
-                raise CorruptCheckpointError(f"checkpoint has no tensor for layer weight {key!r}")
-            key = matched
-            if bias_key is not None:
-                bias_key = match_key(bias_key, keys, prefix)
-        specs.append(LayerSpec(name, key, out_f, in_f, transposed, bias_key))
+    specs = [
+        _spec(name, mod, transposed, "linear", keys, prefix)
+        for name, mod, transposed in _linear_modules(model)
+    ]
     if not specs:
         raise UnsupportedModelError(f"{type(model).__name__} has no linear layers to quantize")
     return specs
@@ -247,23 +234,29 @@ def embedding_specs(
         and (emb is None or head.weight is not getattr(emb, "weight", None))
     ):
         found.append((names[id(head)], head, "head"))
-    specs = []
-    for name, mod, role in found:
-        w: torch.Tensor = mod.weight  # type: ignore[assignment]
-        key = f"{name}.weight"
-        bias = getattr(mod, "bias", None)
-        bias_key: str | None = f"{name}.bias" if bias is not None else None
-        if keys is not None:
-            matched = match_key(key, keys, prefix)
-            if matched is None:
-                raise CorruptCheckpointError(f"checkpoint has no tensor for {role} weight {key!r}")
-            key = matched
-            if bias_key is not None:
-                bias_key = match_key(bias_key, keys, prefix)
-        specs.append(
-            LayerSpec(name, key, int(w.shape[0]), int(w.shape[1]), False, bias_key, role=role)
-        )
-    return specs
+    return [_spec(name, mod, False, role, keys, prefix) for name, mod, role in found]
+
+
+def _spec(
+    name: str, mod: Any, transposed: bool, role: str, keys: set[str] | None, prefix: str
+) -> LayerSpec:
+    """The LayerSpec of module `name`: its weight's (out, in) and, with the checkpoint's `keys`,
+    the stored names of its weight and bias (a missing weight is an error naming it)."""
+    w: torch.Tensor = mod.weight
+    out_f, in_f = (int(w.shape[0]), int(w.shape[1]))
+    if transposed:  # GPT-2's Conv1D stores (in, out)
+        out_f, in_f = in_f, out_f
+    key = f"{name}.weight"
+    bias_key: str | None = f"{name}.bias" if getattr(mod, "bias", None) is not None else None
+    if keys is not None:
+        matched = match_key(key, keys, prefix)
+        if matched is None:
+            what = "layer" if role == "linear" else role
+            raise CorruptCheckpointError(f"checkpoint has no tensor for {what} weight {key!r}")
+        key = matched
+        if bias_key is not None:
+            bias_key = match_key(bias_key, keys, prefix)
+    return LayerSpec(name, key, out_f, in_f, transposed, bias_key, role=role)
 
 
 def scope_specs(
