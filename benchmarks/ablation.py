@@ -19,8 +19,8 @@ Investigation columns (why HIGGS errors cost more than their t^2 predicts):
 
 Writes benchmarks/results/ablation_<model>.json and .md.
 
-Usage: python benchmarks/ablation.py [--model smollm2|minilm|all] [--windows 40]
-       python benchmarks/ablation.py --merge DIR [DIR ...] [--model smollm2]
+Usage: python -m benchmarks.ablation [--model smollm2|minilm|all] [--windows 40]
+       python -m benchmarks.ablation --merge DIR [DIR ...] [--model smollm2]
 
 Variants are independent: several processes of this script may run disjoint `--only` lists at
 the same time into their own --out-dir; `--merge` then joins their rows into one result (only
@@ -39,18 +39,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS_DIR,
     environment,
     fmt,
     markdown_table,
     write_results,
 )
-from devtools.quality import (  # noqa: E402
+from devtools.quality import (
     ARTIFACT_DTYPE,
     MINILM_DIR,
     NEWS_FILE,

@@ -7,7 +7,7 @@ Measures: the table for one target (filled up to 4.25 bits) and the full table (
 up to all-16-bit, what the Pareto curve and the dual need), plus the Pareto extraction.
 Writes benchmarks/results/allocator_speed.json and .md.
 
-    python benchmarks/allocator_speed.py [--repeats 3]
+    python -m benchmarks.allocator_speed [--repeats 3]
 """
 
 from __future__ import annotations

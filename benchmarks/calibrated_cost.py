@@ -25,7 +25,7 @@ Torch threads: 1 (the benchmark setting) unless --threads.
 
 Writes benchmarks/results/calibrated_cost.json and .md.
 
-Usage: python benchmarks/calibrated_cost.py [--model smollm2|minilm|all] [--tokens N]
+Usage: python -m benchmarks.calibrated_cost [--model smollm2|minilm|all] [--tokens N]
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS_DIR, environment, fmt, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, fmt, write_results
 
 METHODS = [
     "HIGGS p=2 n=256",
@@ -166,7 +164,8 @@ def child(model: str, method: str, tokens: int, threads: int) -> dict[str, Any]:
 def run_child(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "benchmarks.calibrated_cost",
         "--child",
         model,
         method,

@@ -11,25 +11,22 @@ timing wrappers around the engine's stages. Wall and CPU seconds per part:
 - writing the artifacts (the pipeline's tensor streaming).
 
 Writes benchmarks/results/calibrated_profile.json and .md.
-Usage: python benchmarks/calibrated_profile.py [--tokens N]
+Usage: python -m benchmarks.calibrated_profile [--tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import RESULTS_DIR, environment, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, write_results
 
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)

@@ -24,7 +24,7 @@ allocations at 4.13 and 3.5 bits are evaluated on the same news sentences (1 - c
 vs measured), beside uniform HIGGS p=2 n=256, NF4 b64 with double quantization and HQQ-4 g64.
 Writes benchmarks/results/datafree_sources_minilm.json and .md.
 
-    python benchmarks/datafree_sources.py [--model smollm2|minilm|all] [--eval-windows 8]
+    python -m benchmarks.datafree_sources [--model smollm2|minilm|all] [--eval-windows 8]
         [--sentences 2000] [--threads 1]
 """
 
@@ -41,10 +41,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results
+from devtools.quality import (
     ARTIFACT_DTYPE,
     MINILM_DIR,
     NEWS_FILE,
@@ -60,9 +58,9 @@ from devtools.quality import (  # noqa: E402
     run_methods,
     smollm2_on_news,
 )
-from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
-from higgs_engine.planning.config import HiggsConfig  # noqa: E402
-from higgs_engine.profile import Profile  # noqa: E402
+from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.profile import Profile
 
 BUDGETS = (4.13, 3.5)
 UNIFORM_GRIDS = ((2, 256), (2, 512))  # `--bits 4` (4.08 bits) and 4.58 bits

@@ -14,7 +14,7 @@
 
 Writes benchmarks/results/dynamic.json, dynamic.md and dynamic_pareto.png.
 
-    python benchmarks/dynamic.py [--eval-windows 6] [--profile-tokens 256] [--threads 1]
+    python -m benchmarks.dynamic [--eval-windows 6] [--profile-tokens 256] [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ import hashlib
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS_DIR  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR
+from devtools.quality import (
     ARTIFACT_DTYPE,
     NEWS_FILE,
     SMOLLM_DIR,
@@ -45,16 +42,16 @@ from devtools.quality import (  # noqa: E402
     load_causal_lm,
     rtn_fn,
 )
-from higgs_engine.planning.allocator import (  # noqa: E402
+from higgs_engine.planning.allocator import (
     Allocation,
     Option,
     build_problem,
     default_options,
     solve,
 )
-from higgs_engine.planning.plans import layer_specs_from_profile  # noqa: E402
-from higgs_engine.planning.profile import Profile, ProfileConfig  # noqa: E402
-from higgs_engine.profile import compute_profile  # noqa: E402
+from higgs_engine.planning.plans import layer_specs_from_profile
+from higgs_engine.planning.profile import Profile, ProfileConfig
+from higgs_engine.profile import compute_profile
 
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:

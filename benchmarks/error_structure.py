@@ -26,7 +26,7 @@ shrinkage (-<E, W> / ||E||^2; 1 for an MSE-optimal quantizer, 0 for an error ort
 
 Writes benchmarks/results/error_structure.json and .md.
 
-    python benchmarks/error_structure.py [--windows 4] [--draws 4] [--threads 1]
+    python -m benchmarks.error_structure [--windows 4] [--draws 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results
+from devtools.quality import (
     ARTIFACT_DTYPE,
     NEWS_FILE,
     SMOLLM_DIR,

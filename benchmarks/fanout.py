@@ -19,7 +19,7 @@ is bounded by the cores that are free, and is reported as measured.
 
 Writes benchmarks/results/fanout.json + .md.
 
-Usage: python benchmarks/fanout.py [--layers 12] [--workers 1 2 4] [--repeats 1]
+Usage: python -m benchmarks.fanout [--layers 12] [--workers 1 2 4] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, write_results
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 2048, 8192, 32, 8, 128256
 CONFIG = {"p": 2, "n": 256}  # HIGGS p=2 n=256, the 4-bit default

@@ -8,7 +8,7 @@ two uniform runs bracket the dynamic one, so a change of machine load shows). Th
 dynamic run's wall time over the mean of the two uniform runs. Stage times come from each run's
 report.json (the engine's own timings); wall time includes starting Python and loading torch.
 
-    python benchmarks/full_run.py [--model smollm2|minilm|all] [--avg-bits 4.13]
+    python -m benchmarks.full_run [--model smollm2|minilm|all] [--avg-bits 4.13]
         [--threads 2] [--name full_run]
 
 Writes benchmarks/results/<name>.json and .md.
@@ -26,10 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import environment, fmt, markdown_table, write_results  # noqa: E402
-from devtools.quality import MINILM_DIR, SMOLLM_DIR  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, write_results
+from devtools.quality import MINILM_DIR, SMOLLM_DIR
 
 MODELS = {"smollm2": SMOLLM_DIR, "minilm": MINILM_DIR}
 HIGGS = Path(sys.executable).with_name("higgs")

@@ -30,7 +30,7 @@ a rotation table puts them side by side with what `--rotate auto` would choose (
 predicted change). `--rotation-only` skips the imatrix and the evaluation of llama.cpp's
 mixtures (still quantized, for their sizes: the budgets) and writes gguf_rotation_<model>.*.
 
-    python benchmarks/gguf.py [--model smollm2|minilm|all] [--windows 16] [--sentences 2000]
+    python -m benchmarks.gguf [--model smollm2|minilm|all] [--windows 16] [--sentences 2000]
         [--threads 2] [--no-imatrix] [--rotate | --rotation-only]
 
 Writes benchmarks/results/gguf_<model>.json and .md (gguf_rotation_<model>.* with
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,19 +48,12 @@ from typing import Any
 
 import numpy as np
 
-# Run as a script, this file's folder comes first on sys.path, and this file's name would
-# shadow the `gguf` package (llama.cpp's gguf-py) that the engine imports: the repository root
-# replaces it.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
-from devtools.quality import MINILM_DIR, NEWS_FILE, SMOLLM_DIR, news_sentences  # noqa: E402
-from higgs_engine.gguf.convert import convert_checkpoint  # noqa: E402
-from higgs_engine.gguf.evaluate import _log_softmax  # noqa: E402
-from higgs_engine.gguf.llama import LlamaModel, llama_version, quantize_file  # noqa: E402
-from higgs_engine.gguf.plan import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results
+from devtools.quality import MINILM_DIR, NEWS_FILE, SMOLLM_DIR, news_sentences
+from higgs_engine.gguf.convert import convert_checkpoint
+from higgs_engine.gguf.evaluate import _log_softmax
+from higgs_engine.gguf.llama import LlamaModel, llama_version, quantize_file
+from higgs_engine.gguf.plan import (
     allocate_gguf,
     build_gguf_problem,
     gguf_names,
@@ -69,8 +61,8 @@ from higgs_engine.gguf.plan import (  # noqa: E402
     read_gguf,
     tensor_alphas,
 )
-from higgs_engine.gguf.rotate import rotated_alphas, write_rotated_checkpoint  # noqa: E402
-from higgs_engine.planning.gguf_types import GGUF_MENU  # noqa: E402
+from higgs_engine.gguf.rotate import rotated_alphas, write_rotated_checkpoint
+from higgs_engine.planning.gguf_types import GGUF_MENU
 
 LLAMA_MIXTURES = ("Q3_K_M", "Q4_K_M", "IQ4_XS", "Q5_K_M")
 EXTRA_BUDGETS = (3.5, 4.5)

@@ -17,7 +17,7 @@ Checkpoints: SmolLM2-135M (the real one when `data/smollm2-135m` is prepared, el
 with random weights) and a synthetic checkpoint of Llama-3-8B's shape (random bf16 weights
 written shard by shard; 16 GB of disk). No download.
 
-    python benchmarks/gpu_speed.py [--out-dir DIR] [--sizes smollm2-135m llama-8b]
+    python -m benchmarks.gpu_speed [--out-dir DIR] [--sizes smollm2-135m llama-8b]
         [--dynamic-cpu smollm2-135m]
     -> DIR/gpu_speed.json and gpu_speed.md (default DIR: benchmarks/results)
 
@@ -37,13 +37,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from higgs_engine.dynamic import run_dynamic  # noqa: E402
-from higgs_engine.pipeline import quantize_checkpoint  # noqa: E402
-from higgs_engine.planning.config import HiggsConfig  # noqa: E402
-from higgs_engine.planning.plans import Target  # noqa: E402
-from higgs_engine.quantize import quantize_matrix  # noqa: E402
+from higgs_engine.dynamic import run_dynamic
+from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.plans import Target
+from higgs_engine.quantize import quantize_matrix
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REAL_SMOLLM = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m"

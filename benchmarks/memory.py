@@ -12,7 +12,7 @@ instead of loading the model.
 
 Writes benchmarks/results/memory.json and memory.md.
 
-Usage: python benchmarks/memory.py [--layers 4 10 21] [--tmp DIR]
+Usage: python -m benchmarks.memory [--layers 4 10 21] [--tmp DIR]
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results
 
 CONFIG: dict[str, Any] = {
     "hidden_size": 2048,

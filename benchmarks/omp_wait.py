@@ -9,7 +9,7 @@ work" is one extra process keeping one core busy with float32 matrix products, s
 the run and stopped after it. Policies alternate within each repeat. Times are the engine's
 own stage times from report.json (quantizing) and the process's wall time.
 
-    python benchmarks/omp_wait.py [--repeats 2] [--avg-bits 4.13]
+    python -m benchmarks.omp_wait [--repeats 2] [--avg-bits 4.13]
 
 Writes benchmarks/results/omp_wait.json and .md.
 """
@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from devtools.quality import SMOLLM_DIR  # noqa: E402
+from benchmarks.common import environment, markdown_table, write_results
+from devtools.quality import SMOLLM_DIR
 
 HIGGS = Path(sys.executable).with_name("higgs")
 BUSY = (

@@ -17,14 +17,13 @@ checked to give the same tokens (sampled text differs: a generator per document)
 
 Writes benchmarks/results/profile_cost.json and .md.
 
-    python benchmarks/profile_cost.py [--count 16] [--length 128] [--repeats 2] [--threads 2]
+    python -m benchmarks.profile_cost [--count 16] [--length 128] [--repeats 2] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -33,19 +32,17 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import environment, fmt, markdown_table, write_results  # noqa: E402
-from devtools.quality import SMOLLM_DIR  # noqa: E402
-from higgs_engine.dynamic import (  # noqa: E402
+from benchmarks.common import environment, fmt, markdown_table, write_results
+from devtools.quality import SMOLLM_DIR
+from higgs_engine.dynamic import (
     DEFAULT_PROFILE,
     calibration_windows,
     profile_config_for,
 )
-from higgs_engine.model_loading import load_float_model  # noqa: E402
-from higgs_engine.model_structure import quantizable_layers  # noqa: E402
-from higgs_engine.profile import compute_profile  # noqa: E402
-from higgs_engine.selfgen import (  # noqa: E402
+from higgs_engine.model_loading import load_float_model
+from higgs_engine.model_structure import quantizable_layers
+from higgs_engine.profile import compute_profile
+from higgs_engine.selfgen import (
     SelfGenConfig,
     self_generated_tokens,
     self_generated_tokens_reference,

@@ -13,7 +13,7 @@ one: mean, standard deviation, range and the share within 20%.
 
 Writes benchmarks/results/profile_documents.json and .md.
 
-    python benchmarks/profile_documents.py [--threads 1] [--subsets 200] [--eval-windows 8]
+    python -m benchmarks.profile_documents [--threads 1] [--subsets 200] [--eval-windows 8]
 """
 
 from __future__ import annotations
@@ -30,19 +30,17 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results  # noqa: E402
-from benchmarks.datafree_sources import HELD_OUT_FROM, quantize_alloc  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, fmt, markdown_table, write_results
+from benchmarks.datafree_sources import HELD_OUT_FROM, quantize_alloc
+from devtools.quality import (
     SMOLLM_DIR,
     data_ready,
     load_causal_lm,
     smollm2_on_news,
 )
-from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation  # noqa: E402
-from higgs_engine.planning.config import HiggsConfig  # noqa: E402
-from higgs_engine.planning.profile import LayerAlpha, Profile  # noqa: E402
+from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.profile import LayerAlpha, Profile
 
 SUBSET_SIZES = (2, 4, 8, 16)
 WINDOW_DRAWS = 4  # label draws per single-window profile

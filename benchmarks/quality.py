@@ -12,7 +12,7 @@ also run once and evaluated on the same data, to check it matches the simulated 
 
 Writes benchmarks/results/quality_<model>.json, .md and .png.
 
-Usage: python benchmarks/quality.py [--model smollm2|minilm|all] [--windows 40] [--sentences 2000]
+Usage: python -m benchmarks.quality [--model smollm2|minilm|all] [--windows 40] [--sentences 2000]
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS_DIR,
     environment,
     fmt,
@@ -37,8 +35,8 @@ from benchmarks.common import (  # noqa: E402
     plot_bits_vs_metric,
     write_results,
 )
-from devtools.calibrated import calibrated_methods, calibration_split  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from devtools.calibrated import calibrated_methods, calibration_split
+from devtools.quality import (
     MINILM_DIR,
     NEWS_FILE,
     SMOLLM_DIR,
@@ -54,7 +52,7 @@ from devtools.quality import (  # noqa: E402
     run_methods,
     select_methods,
 )
-from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS  # noqa: E402
+from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS
 
 # The quality targets: (winner, loser) pairs, checked on every model.
 TARGETS = [

@@ -1,7 +1,7 @@
 """Write benchmarks/README.md from the latest measured tables in benchmarks/results/*.md.
 
 Measures nothing: it copies each results file (written by the named script in one run) under a
-heading. Run after a benchmark: `python benchmarks/readme_tables.py`.
+heading. Run after a benchmark: `python -m benchmarks.readme_tables`.
 """
 
 from __future__ import annotations
@@ -11,49 +11,72 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SECTIONS = [  # (results file stem, script that writes it)
-    ("quality_smollm2", "quality.py --model smollm2"),
-    ("rtn_crosscheck", "rtn_crosscheck.py"),
-    ("quality_minilm", "quality.py --model minilm"),
-    ("gguf_smollm2", "gguf.py --model smollm2 --threads 1"),
-    ("gguf_minilm", "gguf.py --model minilm --threads 1"),
-    ("gguf_rotation_smollm2", "gguf.py --model smollm2 --threads 1 --rotation-only"),
-    ("ablation_smollm2", "ablation.py --model smollm2 (three processes, joined with --merge)"),
-    ("ablation_minilm", "ablation.py --model minilm"),
-    ("error_structure", "error_structure.py"),
+    ("quality_smollm2", "python -m benchmarks.quality --model smollm2"),
+    ("rtn_crosscheck", "python -m benchmarks.rtn_crosscheck"),
+    ("quality_minilm", "python -m benchmarks.quality --model minilm"),
+    ("gguf_smollm2", "python -m benchmarks.gguf --model smollm2 --threads 1"),
+    ("gguf_minilm", "python -m benchmarks.gguf --model minilm --threads 1"),
+    (
+        "gguf_rotation_smollm2",
+        "python -m benchmarks.gguf --model smollm2 --threads 1 --rotation-only",
+    ),
+    (
+        "ablation_smollm2",
+        "python -m benchmarks.ablation --model smollm2 (three processes, joined with --merge)",
+    ),
+    ("ablation_minilm", "python -m benchmarks.ablation --model minilm"),
+    ("error_structure", "python -m benchmarks.error_structure"),
     (
         "speed_quiet",
-        "speed.py --threads 2 1 --repeats 5 --methods (the key methods) --no-pipeline "
-        "--no-gpu-path --skip-hqq --name speed_quiet (a quiet machine)",
+        "python -m benchmarks.speed --threads 2 1 --repeats 5 --methods (the key methods) "
+        "--no-pipeline --no-gpu-path --skip-hqq --name speed_quiet (a quiet machine)",
     ),
-    ("speed_defaults", "speed.py --threads 2 1 --name speed_defaults (the key methods only)"),
+    (
+        "speed_defaults",
+        "python -m benchmarks.speed --threads 2 1 --name speed_defaults (the key methods only)",
+    ),
     ("speed_defaults_2", "the same, a second run (files renamed from speed_defaults)"),
-    ("scale_search", "scale_search.py"),
-    ("scale_search_minilm_seed1", "scale_search.py --model minilm --sign-seed 1"),
-    ("scale_search_minilm_seed2", "scale_search.py --model minilm --sign-seed 2"),
-    ("speed", "speed.py"),
-    ("speed_default_threads", "speed.py --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)"),
-    ("memory", "memory.py"),
-    ("calibrated_cost", "calibrated_cost.py"),
-    ("calibrated_profile", "calibrated_profile.py"),
-    ("dynamic", "dynamic.py"),
-    ("scope_smollm2", "scope.py --model smollm2 --threads 1"),
-    ("scope_minilm", "scope.py --model minilm --threads 1"),
-    ("datafree_sources", "datafree_sources.py (SmolLM2)"),
-    ("datafree_sources_minilm", "datafree_sources.py --model minilm"),
-    ("profile_cost", "profile_cost.py --count 16 --length 96 --repeats 3 (a busy machine)"),
+    ("scale_search", "python -m benchmarks.scale_search"),
+    ("scale_search_minilm_seed1", "python -m benchmarks.scale_search --model minilm --sign-seed 1"),
+    ("scale_search_minilm_seed2", "python -m benchmarks.scale_search --model minilm --sign-seed 2"),
+    ("speed", "python -m benchmarks.speed"),
+    (
+        "speed_default_threads",
+        "python -m benchmarks.speed --threads 0 (HIGGS p=2 n=256 vs RTN-4 only)",
+    ),
+    ("memory", "python -m benchmarks.memory"),
+    ("calibrated_cost", "python -m benchmarks.calibrated_cost"),
+    ("calibrated_profile", "python -m benchmarks.calibrated_profile"),
+    ("dynamic", "python -m benchmarks.dynamic"),
+    ("scope_smollm2", "python -m benchmarks.scope --model smollm2 --threads 1"),
+    ("scope_minilm", "python -m benchmarks.scope --model minilm --threads 1"),
+    ("datafree_sources", "python -m benchmarks.datafree_sources (SmolLM2)"),
+    ("datafree_sources_minilm", "python -m benchmarks.datafree_sources --model minilm"),
+    (
+        "profile_cost",
+        "python -m benchmarks.profile_cost --count 16 --length 96 --repeats 3 (a busy machine)",
+    ),
     (
         "profile_cost_quiet",
-        "profile_cost.py --count 16 --length 96 --repeats 3 --name profile_cost_quiet",
+        "python -m benchmarks.profile_cost --count 16 --length 96 --repeats 3 "
+        "--name profile_cost_quiet",
     ),
-    ("omp_wait", "omp_wait.py --repeats 1"),
-    ("full_run", "full_run.py --model smollm2 (a quiet machine)"),
-    ("full_run_busy", "full_run.py --model all, on a busy machine (files renamed from full_run)"),
-    ("allocator_speed", "allocator_speed.py"),
-    ("service_api_quiet", "service_bench.py --api-only --no-sqlite --stem service_api_quiet"),
-    ("service_api", "service_bench.py --api-only"),
-    ("service", "service_bench.py"),
-    ("service_noisy", "service_bench.py --noisy"),
-    ("fanout", "fanout.py"),
+    ("omp_wait", "python -m benchmarks.omp_wait --repeats 1"),
+    ("full_run", "python -m benchmarks.full_run --model smollm2 (a quiet machine)"),
+    (
+        "full_run_busy",
+        "python -m benchmarks.full_run --model all, on a busy machine "
+        "(files renamed from full_run)",
+    ),
+    ("allocator_speed", "python -m benchmarks.allocator_speed"),
+    (
+        "service_api_quiet",
+        "python -m benchmarks.service_bench --api-only --no-sqlite --stem service_api_quiet",
+    ),
+    ("service_api", "python -m benchmarks.service_bench --api-only"),
+    ("service", "python -m benchmarks.service_bench"),
+    ("service_noisy", "python -m benchmarks.service_bench --noisy"),
+    ("fanout", "python -m benchmarks.fanout"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
 HEADER = """# Benchmarks (latest measured tables)
@@ -62,8 +85,8 @@ Every table below was written by the named script in one run on a shared 2-core 
 without a GPU, and is copied from `results/` (JSON beside each) by `readme_tables.py`; nothing
 here is typed in by hand. Other work ran on the machine during some runs (each table gives its
 load average), so wall times are noisy; speed ratios come from interleaved runs in one process.
-Rerun a benchmark with `.venv/bin/python benchmarks/<script>`, then
-`.venv/bin/python benchmarks/readme_tables.py`. `scripts/gpu_check` runs `gpu_speed.py` (CPU
+Rerun a benchmark with `.venv/bin/python -m benchmarks.<script>`, then
+`.venv/bin/python -m benchmarks.readme_tables`. `scripts/gpu_check` runs `gpu_speed.py` (CPU
 versus CUDA timings) on a machine with CUDA; it has no table here until it has run on one.
 """
 

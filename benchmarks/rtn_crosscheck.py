@@ -7,22 +7,19 @@ Our RTN-3 g128 gives SmolLM2 a perplexity of about 140, far better than weak RTN
 report; matching an independent implementation's weight errors layer by layer shows that this
 is what the standard method gives, not a flaw of ours.
 
-    python benchmarks/rtn_crosscheck.py   -> benchmarks/results/rtn_crosscheck.{json,md}
+    python -m benchmarks.rtn_crosscheck   -> benchmarks/results/rtn_crosscheck.{json,md}
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import environment, fmt, write_results  # noqa: E402
-from devtools.quality import SMOLLM_DIR, hqq_quantize, linear_layers, load_causal_lm  # noqa: E402
-from higgs_engine.baselines import rtn_quantize  # noqa: E402
+from benchmarks.common import environment, fmt, write_results
+from devtools.quality import SMOLLM_DIR, hqq_quantize, linear_layers, load_causal_lm
+from higgs_engine.baselines import rtn_quantize
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ Writes benchmarks/results/scale_search.json and .md.
 table move quality more than a seed does?); `--model` runs one model; `--name` picks the
 results stem.
 
-Usage: python benchmarks/scale_search.py [--windows 40] [--sentences 2000] [--threads 1]
+Usage: python -m benchmarks.scale_search [--windows 40] [--sentences 2000] [--threads 1]
            [--model all|smollm2|minilm] [--sign-seed 0] [--name scale_search]
 """
 
@@ -26,12 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results
+from devtools.quality import (
     MINILM_DIR,
     NEWS_FILE,
     EmbeddingEval,

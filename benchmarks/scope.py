@@ -20,7 +20,7 @@ used) and measured otherwise.
 
 Writes benchmarks/results/scope_<model>.json and .md.
 
-    python benchmarks/scope.py [--model smollm2|minilm|all] [--windows 4] [--sentences 256]
+    python -m benchmarks.scope [--model smollm2|minilm|all] [--windows 4] [--sentences 256]
         [--threads 2] [--render-only]
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +35,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results
+from devtools.quality import (
     MINILM_DIR,
     NEWS_FILE,
     SMOLLM_DIR,
@@ -49,9 +46,9 @@ from devtools.quality import (  # noqa: E402
     load_encoder,
     news_sentences,
 )
-from higgs_engine.planning.config import HiggsConfig  # noqa: E402
-from higgs_engine.planning.profile import Profile  # noqa: E402
-from higgs_engine.report import Report  # noqa: E402
+from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.profile import Profile
+from higgs_engine.report import Report
 
 FP16_BITS = 16.0
 # The smaller whole-model size of each model's dynamic pair: low enough to matter, high enough

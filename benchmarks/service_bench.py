@@ -29,7 +29,7 @@ event-stream requests and 10 slow 8 MiB downloads open while another key polls G
 second key's p50/p99 beside its solo figures (goal: p99 within 2x of solo). SQLite, and
 PostgreSQL + Redis (--redis-url or HIGGS_TEST_REDIS_URL) when a PostgreSQL URL is given.
 
-Usage: python benchmarks/service_bench.py [--duration 4] [--jobs 5] [--postgres-url URL]
+Usage: python -m benchmarks.service_bench [--duration 4] [--jobs 5] [--postgres-url URL]
                                           [--skip-model] [--api-only] [--generator auto]
                                           [--client-cpus 1] [--server-cpus 0]
                                           [--clients 10,50,100,200] [--no-sqlite] [--stem S]
@@ -56,12 +56,10 @@ from typing import Any
 
 import httpx
 
+from devtools.scratch import scratch_postgres
+from devtools.stack import Stack
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the development helpers (devtools/)
-
-from devtools.scratch import scratch_postgres  # noqa: E402
-from devtools.stack import Stack  # noqa: E402
-
 RESULTS = REPO / "benchmarks" / "results"
 SMOLLM = REPO / "data" / "smollm2-135m"
 

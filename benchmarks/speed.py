@@ -16,7 +16,7 @@ is timed once as well.
 
 Writes benchmarks/results/speed.json and speed.md (`--name` for another stem).
 
-Usage: python benchmarks/speed.py [--repeats 3] [--threads 0 1] [--skip-hqq] [--name speed]
+Usage: python -m benchmarks.speed [--repeats 3] [--threads 0 1] [--skip-hqq] [--name speed]
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results  # noqa: E402
-from devtools.quality import (  # noqa: E402
+from benchmarks.common import RESULTS_DIR, environment, markdown_table, write_results
+from devtools.quality import (
     SMOLLM_DIR,
     Method,
     data_ready,

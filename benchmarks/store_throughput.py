@@ -11,7 +11,7 @@ its own hosts, not a forecast.
 
 Writes benchmarks/results/store_throughput.json + .md.
 
-Usage: python benchmarks/store_throughput.py [--sizes-mb 8 64 256] [--repeats 3] [--part-mb 16]
+Usage: python -m benchmarks.store_throughput [--sizes-mb 8 64 256] [--repeats 3] [--part-mb 16]
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ import argparse
 import hashlib
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from app.artifacts.store import ArtifactStore, LocalStore, S3Store, UploadFile, join_uri  # noqa: E402
-from benchmarks.common import markdown_table, write_results  # noqa: E402
-from devtools.seaweed import running_s3  # noqa: E402
+from app.artifacts.store import ArtifactStore, LocalStore, S3Store, UploadFile, join_uri
+from benchmarks.common import markdown_table, write_results
+from devtools.seaweed import running_s3
 
 
 def make_file(path: Path, size: int) -> str:
