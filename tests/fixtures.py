@@ -40,14 +40,14 @@ def _tiny_config(kind: str, **overrides: Any) -> Any:
 
     vocab = 320
     # The decoder-only families share these sizes; each adds what makes it itself.
-    common: dict[str, Any] = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=256,
-    )
+    common: dict[str, Any] = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+    }
     if kind == "llama":
         # intermediate 96 = 64 + 32: down_proj rows are covered by two rotation blocks.
         kw = dict(common, intermediate_size=96, tie_word_embeddings=False)
@@ -59,15 +59,15 @@ def _tiny_config(kind: str, **overrides: Any) -> Any:
         kw = dict(common, intermediate_size=128, head_dim=16, sliding_window=32)
         return Gemma2Config(**{**kw, **overrides})
     if kind == "gpt2":
-        kw = dict(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            vocab_size=vocab,
-            n_positions=256,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        kw = {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "vocab_size": vocab,
+            "n_positions": 256,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        }
         return GPT2Config(**{**kw, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {TINY_KINDS}")
 
@@ -176,14 +176,14 @@ def build_tiny_encoder(dest: Path, *, seed: int = 0, **config_overrides: Any) ->
     import torch
     from transformers import BertConfig, BertModel
 
-    kw: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-    )
+    kw: dict[str, Any] = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+    }
     config = BertConfig(**{**kw, **config_overrides})
     torch.manual_seed(seed)
     model = BertModel(config)

@@ -289,7 +289,7 @@ def test_range_unit_is_case_insensitive(
 def test_head_on_every_get_endpoint(
     client: TestClient, auth: dict[str, str], done_job: Any
 ) -> None:
-    jid, files, _ = done_job
+    jid, _files, _ = done_job
     for path in (
         url(jid, "/archive"),
         url(jid, "/files/model.safetensors"),

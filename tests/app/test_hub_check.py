@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -28,11 +28,11 @@ CONFIGS = {
 
 
 class _Hub(BaseHTTPRequestHandler):
-    seen: list[str] = []
-    auth: list[str | None] = []
+    seen: ClassVar[list[str]] = []
+    auth: ClassVar[list[str | None]] = []
     delay_s = 0.0
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:  # http.server's name
         _Hub.seen.append(self.path)
         _Hub.auth.append(self.headers.get("Authorization"))
         parts = self.path.strip("/").split("/")

@@ -42,7 +42,7 @@ def test_signed_archive_link(
 ) -> None:
     with sessions() as s:
         row, key = make_key(s, "alice")
-        other_row, other = make_key(s, "bob")
+        _other_row, other = make_key(s, "bob")
     job_id = _succeeded_job(sessions, row.id, tmp_path / "art")
     auth = {"Authorization": f"Bearer {key}"}
     with TestClient(create_app(settings)) as c:

@@ -4,6 +4,7 @@ profiles index the worker and the API share."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -114,8 +115,8 @@ def test_plan_for_avg_bits(
     # The curve: cheapest first, each point strictly better than the one before.
     pts = out["pareto"]
     assert pts[0]["avg_bits"] == pytest.approx(table.problem.min_avg_bits(), abs=1e-3)
-    assert all(a["avg_bits"] < b["avg_bits"] for a, b in zip(pts, pts[1:], strict=False))
-    assert all(a["predicted_kl"] > b["predicted_kl"] for a, b in zip(pts, pts[1:], strict=False))
+    assert all(a["avg_bits"] < b["avg_bits"] for a, b in itertools.pairwise(pts))
+    assert all(a["predicted_kl"] > b["predicted_kl"] for a, b in itertools.pairwise(pts))
 
 
 def test_plan_dual_curve_only_and_menu(

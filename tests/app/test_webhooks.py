@@ -41,9 +41,9 @@ def receiver() -> Iterator[Receiver]:
     rec = Receiver(url="")
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:  # http.server's name
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            rec.got.append(({k: v for k, v in self.headers.items()}, body))
+            rec.got.append((dict(self.headers.items()), body))
             code = rec.codes.pop(0) if rec.codes else 200
             self.send_response(code)
             self.send_header("Content-Length", "0")
@@ -159,7 +159,7 @@ def test_check_webhook_url_resolves_and_checks_every_address() -> None:
     public = lambda host, port: ["93.184.216.34"]  # noqa: E731
     mixed = lambda host, port: ["93.184.216.34", "10.0.0.5"]  # noqa: E731
     assert check_webhook_url("https://hooks.example/x", allow_private=False, resolver=public)
-    with pytest.raises(WebhookUrlError, match="'hooks.example' is not allowed") as refused:
+    with pytest.raises(WebhookUrlError, match=r"'hooks\.example' is not allowed") as refused:
         check_webhook_url("https://hooks.example/x", allow_private=False, resolver=mixed)
     assert "10.0.0.5" not in str(refused.value) and "a private" not in str(refused.value)
     assert check_webhook_url("https://hooks.example/x", allow_private=True, resolver=mixed)
@@ -429,7 +429,7 @@ def test_slow_receiver_times_out_and_is_retried_later(
     release = threading.Event()
 
     class Slow(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:  # http.server's name
             release.wait(10)
             self.send_response(200)
             self.send_header("Content-Length", "0")

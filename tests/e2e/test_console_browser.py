@@ -53,7 +53,7 @@ class Receiver:
         rec = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 rec.got.append((dict(self.headers.items()), body))
                 self.send_response(rec.codes.pop(0) if rec.codes else 200)

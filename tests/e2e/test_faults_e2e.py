@@ -212,7 +212,7 @@ def test_postgres_restarts_during_a_running_job_cost_no_attempt(
     log = _worker_log(stack)
     assert "database unavailable" in log and "database back after" in log
     assert "stale-job checks paused" in log  # the sweep saw the outage and held back
-    assert len([p for p in (stack.artifacts_dir / job_id).iterdir()]) == 1
+    assert len(list((stack.artifacts_dir / job_id).iterdir())) == 1
 
 
 # ---------------------------------------------------------------- Redis restarted empty
@@ -284,7 +284,7 @@ def test_a_killed_pool_process_gets_its_job_back_within_seconds(
     assert requeue_s < 15, f"re-claimed {requeue_s:.1f}s after the kill"
     job = svc.wait(job_id, lambda j: j.status in TERMINAL, "the end of the job", 120)
     assert (job.status, job.attempts) == ("succeeded", 2), (job.error_code, job.error_message)
-    assert len([p for p in (stack.artifacts_dir / job_id).iterdir()]) == 1
+    assert len(list((stack.artifacts_dir / job_id).iterdir())) == 1
     assert files_under(stack.artifacts_dir / ".staging") == []
     assert stack.procs[-1].alive()  # the worker itself lives on
 
@@ -347,7 +347,7 @@ def test_a_full_disk_is_storage_full_then_success_once_space_is_freed(
         assert (job.status, job.attempts, job.error_code) == ("succeeded", 1, None), (
             job.error_message
         )
-        assert len([p for p in (artifacts / job_id).iterdir()]) == 1
+        assert len(list((artifacts / job_id).iterdir())) == 1
     log = _worker_log(stack)
     assert len(re.findall(r"ERROR.*storage full:", log)) == 1, log  # told once, not per job
     assert "Traceback" not in log

@@ -123,9 +123,9 @@ class KeepAliveClient:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
-        fields = dict(
-            (k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:])
-        )
+        fields = {
+            k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])
+        }
         body = await reader.readexactly(int(fields.get("content-length", "0")))
         if fields.get("connection", "").lower() == "close":
             self.close()

@@ -121,7 +121,7 @@ def check_download_and_load(
 
 def exactly_one_artifact_set(stack: Stack, job: dict[str, Any]) -> None:
     job_dir = stack.artifacts_dir / job["id"]
-    attempts = [p for p in job_dir.iterdir()]
+    attempts = list(job_dir.iterdir())
     assert len(attempts) == 1, attempts
     assert sorted(a["format"] for a in job["artifacts"]) == ["dequantized", "native"]
     assert files_under(stack.artifacts_dir / ".staging") == []
@@ -147,10 +147,8 @@ def test_flow_on_redis_and_postgres(stack_factory: Any, tmp_path: Path) -> None:
 
         # scope=all through the client verb: the embedding is quantized, the whole model is
         # smaller, and the downloaded native artifact loads and runs.
-        res = stack.run(
-            [*HIGGS, "submit", MODEL, "--bits", "4", "--scope", "all"]
-            + ["--url", stack.url, "--key", key],
-        )
+        server = ["--url", stack.url, "--key", key]
+        res = stack.run([*HIGGS, "submit", MODEL, "--bits", "4", "--scope", "all", *server])
         all_id = res.stdout.strip().splitlines()[-1]
         done = poll(c, all_id, terminal, stack=stack)
         assert done["status"] == "succeeded", done

@@ -57,7 +57,7 @@ def receivers() -> Iterator[tuple[Hold, str, list[tuple[float, dict[str, str], b
     got: list[tuple[float, dict[str, str], bytes]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:  # http.server's name
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             got.append((time.monotonic(), dict(self.headers.items()), body))
             self.send_response(204)

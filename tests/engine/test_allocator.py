@@ -152,7 +152,7 @@ def test_dp_matches_brute_force(
     table = DPTable(problem, None, resolution)
     # exact for the discretisation: the table's answer for any budget of b units is the best
     # error over every assignment whose discretised cost fits in b
-    b = int(round(frac * table.capacity))
+    b = round(frac * table.capacity)
     ref = brute_force(problem, b, table.units)
     assert ref is not None  # the cheapest assignment always fits
     assert table.allocate_units(b).predicted == pytest.approx(ref[0], rel=1e-12, abs=1e-15)

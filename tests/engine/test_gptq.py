@@ -85,7 +85,7 @@ def test_inverse_cholesky_factor() -> None:
     torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True))
 
 
-@pytest.mark.parametrize("p,n", [(1, 16), (2, 256), (2, 64), (2, 8)])
+@pytest.mark.parametrize(("p", "n"), [(1, 16), (2, 256), (2, 64), (2, 8)])
 def test_prepared_searcher_equals_nearest_points(p: int, n: int) -> None:
     """The sweep's searcher (tables prepared once) returns nearest_points' codes, including
     tuples far outside the lookup tables."""
@@ -106,13 +106,13 @@ def test_rotated_hessian_is_the_hessian_of_rotated_inputs() -> None:
     torch.testing.assert_close(rotate_hessian(x.T @ x, layout, signs), xr.T @ xr)
 
 
-@pytest.mark.parametrize("p,n", GRIDS)
+@pytest.mark.parametrize(("p", "n"), GRIDS)
 @pytest.mark.parametrize("sign_seed", [None, 5])
 def test_fast_path_equals_reference(
     problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: int, n: int, sign_seed: int | None
 ) -> None:
     _, w, h = problem
-    kw = dict(group_size=128, rotation_block=256, sign_seed=sign_seed)
+    kw = {"group_size": 128, "rotation_block": 256, "sign_seed": sign_seed}
     # block 32: several lazy batches, a batch boundary inside every scale group.
     q, w_hat = gptq_higgs(w, h, p, n, **kw, block=32, dtype=torch.float64)  # type: ignore[arg-type]
     qr, w_ref = gptq_higgs_reference(w, h, p, n, **kw)  # type: ignore[arg-type]
@@ -127,7 +127,7 @@ def test_fast_path_equals_reference(
     assert same > 0.95
 
 
-@pytest.mark.parametrize("p,n", GRIDS)
+@pytest.mark.parametrize(("p", "n"), GRIDS)
 @pytest.mark.parametrize("rule", ["rms", "mse"])
 def test_identity_hessian_gives_data_free_higgs(p: int, n: int, rule: str) -> None:
     w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
@@ -150,11 +150,11 @@ def test_identity_hessian_gives_data_free_higgs(p: int, n: int, rule: str) -> No
         torch.testing.assert_close(w_hat, dequantize_matrix(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("p,n", GRIDS)
+@pytest.mark.parametrize(("p", "n"), GRIDS)
 def test_calibration_lowers_the_output_error(
     problem: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: int, n: int
 ) -> None:
-    x, w, h = problem
+    _x, w, h = problem
     x_test = _correlated(1500, 320, seed=1)[750:]  # same distribution
     _, w_hat = gptq_higgs(w, h, p, n, group_size=128, rotation_block=256)
     data_free = dequantize_matrix(quantize_matrix(w, p, n, 128, 256))
@@ -204,6 +204,6 @@ def test_bad_inputs_name_the_value() -> None:
         gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, damp=-1.0)
     with pytest.raises(InvalidConfigError, match="block=3"):
         gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, block=3)
+    indefinite = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 32)
     with pytest.raises(InvalidConfigError, match="positive definite"):
-        indefinite = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 32)
         gptq_higgs(w, indefinite, 2, 256, 64, 64, damp=0.0)

@@ -187,7 +187,7 @@ def test_bad_profile_configs_name_the_value() -> None:
 def test_profile_of_a_missing_layer_is_an_error(ckpt: Path) -> None:
     model, _ = load_float_model(ckpt)
     windows = calibration_windows(model, None, None, CFG)
-    with pytest.raises(InvalidConfigError, match="model.nope"):
+    with pytest.raises(InvalidConfigError, match=r"model\.nope"):
         compute_profile(
             model, ["model.nope"], windows, CFG, model_id="x", revision=None, calibration="random:0"
         )

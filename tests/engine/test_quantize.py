@@ -280,7 +280,7 @@ def test_rejects_bad_config(kwargs: dict, match: str) -> None:
 def test_rejects_bad_inputs() -> None:
     with pytest.raises(InvalidConfigError, match=r"2-D.*\(4,\)"):
         quantize_matrix(torch.zeros(4), 2, 256)
-    with pytest.raises(InvalidConfigError, match="in_features=7.*p=2"):
+    with pytest.raises(InvalidConfigError, match=r"in_features=7.*p=2"):
         quantize_matrix(torch.zeros(4, 7), 2, 256)
     W = _gauss((4, 64))
     W[1, 3] = float("nan")

@@ -58,7 +58,7 @@ def _group_err(y: torch.Tensor, y_hat: torch.Tensor, lens: list[int]) -> torch.T
 
 
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("p,n", [(2, 256), (1, 16)])
+@pytest.mark.parametrize(("p", "n"), [(2, 256), (1, 16)])
 def test_fast_scales_match_the_reference(rule: str, p: int, n: int) -> None:
     # the exact multiplier search (one nearest-point pass per candidate) against the loops
     w = _heavy(12, 320, 1)  # layout [256, 64]: a full group and a short one
@@ -139,7 +139,12 @@ def test_table_search_is_bounded_by_the_exact_search(
     w = make(rows, inp // 32 * 32, 5)
     if w.shape[1] != inp:  # _heavy builds whole 32-column runs
         w = torch.cat([w, _gauss(rows, inp - w.shape[1], 6)], 1)
-    kw: dict[str, Any] = dict(group_size=group, rotation_block=block, sign_seed=1, scale_rule=rule)
+    kw: dict[str, Any] = {
+        "group_size": group,
+        "rotation_block": block,
+        "sign_seed": 1,
+        "scale_rule": rule,
+    }
     q_tab, w_tab = quantize_matrix_full(w, 2, n, **kw)
     q_ex, _ = quantize_matrix_full(w, 2, n, scale_search="exact", **kw)
     layout = block_layout(inp, block)

@@ -5,6 +5,7 @@ SQLite database, and POST /v1/plans answered from the profile the job stored."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -223,7 +224,7 @@ def test_plans_404_before_and_the_jobs_allocation_after(
     assert len(pts) >= 5
     bits = [p["avg_bits"] for p in pts]
     kls = [p["predicted_kl"] for p in pts]
-    assert bits == sorted(bits) and all(a > b for a, b in zip(kls, kls[1:], strict=False))
+    assert bits == sorted(bits) and all(a > b for a, b in itertools.pairwise(kls))
     for p in pts:
         assert p["predicted_ppl_increase"] == pytest.approx(math.expm1(p["predicted_kl"]))
     # Curve only, and the dual.

@@ -236,7 +236,7 @@ def _fanned(
 def test_a_failing_part_fails_the_job_and_cancels_its_siblings(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig, models_dir: Path
 ) -> None:
-    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    job_id, attempt, _idxs = _fanned(settings, sessions, runner_cfg)
     assert run_part(sessions, job_id, attempt, 0, runner_cfg, "w0").status == "succeeded"
     # Part 1's shard is corrupt on its worker.
     bad_models = settings.data_dir / "bad-models"
@@ -263,7 +263,7 @@ def test_a_failing_part_fails_the_job_and_cancels_its_siblings(
 def test_cancel_in_the_middle_of_a_fanout_publishes_nothing(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
 ) -> None:
-    job_id, attempt, idxs = _fanned(settings, sessions, runner_cfg)
+    job_id, attempt, _idxs = _fanned(settings, sessions, runner_cfg)
     assert run_part(sessions, job_id, attempt, 0, runner_cfg, "w0").status == "succeeded"
     slow = dataclasses.replace(runner_cfg, debug_layer_delay_s=0.3, progress_min_interval_s=0.0)
     result: list[str] = []

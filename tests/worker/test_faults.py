@@ -376,13 +376,15 @@ def test_a_job_waiting_for_storage_is_sent_again_after_storage_retry_s(
 def test_storage_full_is_recognised_through_wrapping_and_library_messages() -> None:
     from higgs_engine.errors import HiggsError
 
-    try:
+    def write() -> None:
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError as e:
             raise HiggsError("could not write the artifact") from e
-    except HiggsError as wrapped:
-        assert is_storage_full(wrapped)
+
+    with pytest.raises(HiggsError) as wrapped:
+        write()
+    assert is_storage_full(wrapped.value)
     assert is_storage_full(
         RuntimeError(
             'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
