@@ -244,7 +244,7 @@ def bench(label: str, args: argparse.Namespace) -> dict[str, Any]:
         if earlier.is_file():
             old = json.loads(earlier.read_text())
             if old.get("data") == data:  # same windows / sentences: the rows are comparable
-                rows[:] = [r for r in old["rows"]]
+                rows[:] = list(old["rows"])
                 env = old["environment"]["start"]
                 t_start -= float(old.get("wall_seconds", 0.0))
         done = {r["method"] for r in rows}
@@ -341,8 +341,8 @@ def merge(label: str, dirs: list[Path], out_dir: Path) -> dict[str, Any]:
             raise SystemExit(
                 f"{label}: runs measured different data: {r['data']} vs {first['data']}"
             )
-        base = [x for x in r["rows"] if x["method"] == "base"][0]
-        base0 = [x for x in first["rows"] if x["method"] == "base"][0]
+        base = next(x for x in r["rows"] if x["method"] == "base")
+        base0 = next(x for x in first["rows"] if x["method"] == "base")
         # the same model on the same data; thread counts change only the last digits
         if any(not math.isclose(base[m], base0[m], rel_tol=1e-5) for m in first["metrics"]):
             raise SystemExit(f"{label}: base figures differ between runs: {base} vs {base0}")

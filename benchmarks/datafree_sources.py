@@ -211,7 +211,7 @@ def run_smollm2(args: argparse.Namespace) -> None:
         ] + [("dynamic", None, budget) for budget in BUDGETS]
         for kind, grid, budget in jobs:
             if kind == "uniform":
-                grids: dict[str, tuple[int, int] | None] = {n: grid for n in names}
+                grids: dict[str, tuple[int, int] | None] = dict.fromkeys(names, grid)
                 allocator_bits = None
             else:
                 plan = plan_allocation(prof, hcfg, Target(avg_bits=budget), names=names)

@@ -296,7 +296,7 @@ def main() -> None:
         problem = build_problem(layer_specs_from_profile(profiles["noise"], names), [Option(p, n)])
         bits = problem.total_bits([0] * len(names)) / problem.total_numel
         uniform_bits[(p, n)] = bits
-        t2s = apply_assignment(sim, qz, {nm: (p, n) for nm in names})
+        t2s = apply_assignment(sim, qz, dict.fromkeys(names, (p, n)))
         qb = (
             math.fsum(qz.get(nm, p, n)[2] * shapes[nm][0] * shapes[nm][1] for nm in names)
             / sim.weights

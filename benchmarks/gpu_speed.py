@@ -48,33 +48,33 @@ REAL_SMOLLM = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m"
 AVG_BITS = 4.13
 # Real shapes: SmolLM2-135M's config and Llama-3-8B's (random weights).
 SIZES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=640,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=False,
-    ),
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    },
+    "llama-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 640,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "tie_word_embeddings": False,
+    },
 }
 SHARD_BYTES = 4 * 1024**3
 
@@ -102,7 +102,7 @@ def build_checkpoint(kind: str, dest: Path, device: str) -> tuple[Path, str]:
         files += 1
         name = f"model-{files:05d}.safetensors"
         save_file(shard, str(dest / name), metadata={"format": "pt"})
-        index.update({k: name for k in shard})
+        index.update(dict.fromkeys(shard, name))
         shard, size = {}, 0
 
     for name, shape in shapes.items():

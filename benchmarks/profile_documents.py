@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(why, file=sys.stderr)
         return 2
-    model, tok, text, ev, base, sim = smollm2_on_news(DEFAULT_PROFILE.context, args.eval_windows)
+    _model, tok, text, ev, base, sim = smollm2_on_news(DEFAULT_PROFILE.context, args.eval_windows)
     names = [n for n, _ in sim.layers]
     shapes = {n: list(sim.originals[n].shape) for n in names}
     float_model, _ = load_causal_lm(SMOLLM_DIR)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     hcfg = HiggsConfig()
     cache: dict[Any, Any] = {}
     allocations: dict[str, dict[str, tuple[int, int] | None]] = {
-        "uniform p=2 n=256": {n: (2, 256) for n in names}
+        "uniform p=2 n=256": dict.fromkeys(names, (2, 256))
     }
     for source in ("self", "real"):
         plan = plan_allocation(

@@ -743,7 +743,7 @@ def write(results: dict[str, Any], stem: str) -> None:
     if results.get("api"):
         lines += _api_md(results)
     if results.get("noisy"):
-        lines += [""] + _noisy_md(results["noisy"])
+        lines += ["", *_noisy_md(results["noisy"])]
     q = results.get("jobs", {}).get("queue_latency")
     if q:
         s = q["submit_to_start_s"]

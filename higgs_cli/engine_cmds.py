@@ -181,16 +181,16 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     skip = tuple(pat for group in args.skip for pat in group)
-    kw = dict(
-        group_size=args.group_size,
-        rotation_block=args.rotation_block,
-        sign_seed=args.sign_seed,
-        scale_rule=args.scale_rule,
-        skip=skip,
-        formats=formats,
-        dtype=args.dtype,
-        scope=args.scope or "linear",
-    )
+    kw = {
+        "group_size": args.group_size,
+        "rotation_block": args.rotation_block,
+        "sign_seed": args.sign_seed,
+        "scale_rule": args.scale_rule,
+        "skip": skip,
+        "formats": formats,
+        "dtype": args.dtype,
+        "scope": args.scope or "linear",
+    }
     if args.bits is not None and (not math.isfinite(args.bits) or args.bits <= 0):
         raise CliError(f"--bits {args.bits:g} must be a positive number")
     if args.p is not None and args.n is not None:

@@ -101,7 +101,7 @@ class Child:
             argv,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            preexec_fn=_die_with_parent,
         )
 
     def poll(self) -> int | None:

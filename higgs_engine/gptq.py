@@ -234,7 +234,7 @@ def _higgs_setup(
     check_inputs(W, p, n, group_size, rotation_block)
     if not bool(torch.isfinite(W).all()):
         raise InvalidConfigError(f"W has {int((~torch.isfinite(W)).sum())} non-finite values")
-    out_f, in_f = W.shape
+    _out_f, in_f = W.shape
     g = get_grid(p, n) if grid is None else grid
     if tuple(g.shape) != (n, p):
         raise InvalidConfigError(f"grid of shape {tuple(g.shape)} is not ({n}, {p})")
@@ -495,7 +495,7 @@ def _sweep_with_writeback(
 ) -> torch.Tensor:
     """The GPTQ sweep for p = 1 with a column quantizer that may read W's later columns of the
     current block in their updated state (W1 is written back into W as the sweep goes)."""
-    out_f, in_f = W.shape
+    _out_f, in_f = W.shape
     Q = torch.empty_like(W)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)

@@ -206,7 +206,7 @@ class BlockReplay:
         import torch
 
         assert self.blocks is not None
-        h, args, kwargs = self._inputs[i][start]
+        h, _args, _kwargs = self._inputs[i][start]
         with torch.no_grad():
             for block, (_, a, kw) in zip(self.blocks[start:], self._inputs[i][start:], strict=True):
                 out = block(h, *a, **kw)

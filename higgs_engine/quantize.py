@@ -31,6 +31,7 @@ from higgs_engine.planning.layout import is_power_of_two
 from higgs_engine.scale_search import TABLE_MAX_POINTS, scale_table_for, score_multipliers
 
 __all__ = [
+    "SCALE_SEARCHES",
     "QuantizedMatrix",
     "check_inputs",
     "column_groups",
@@ -45,7 +46,6 @@ __all__ = [
     "quantize_matrix_full",
     "relative_error",
     "rotated_weight",
-    "SCALE_SEARCHES",
 ]
 
 FORMAT = "higgs-matrix"
@@ -250,7 +250,7 @@ def _row_chunk(in_features: int) -> int:
 
 def group_rms(y: torch.Tensor, group_lens: Sequence[int], group_size: int) -> torch.Tensor:
     """RMS of each scale group: (rows, in) -> (rows, groups), float32."""
-    rows, width = y.shape
+    rows, _width = y.shape
     full = sum(length for length in group_lens if length == group_size)
     parts = []
     if full:

@@ -38,9 +38,9 @@ __all__ = [
     "TABLE_MAX_POINTS",
     "ScaleTable",
     "build_scale_table",
+    "scale_table_for",
     "score_multipliers",
     "score_multipliers_reference",
-    "scale_table_for",
 ]
 
 # The bins are sized for grids of up to this many points (finer grids need finer bins: at

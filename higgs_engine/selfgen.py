@@ -419,10 +419,10 @@ __all__: Sequence[str] = (
     "sample_rows",
     "self_generated_tokens",
     "self_generated_tokens_reference",
-    "sequence_generator",
     "selfgen_cache_path",
     "selfgen_id",
     "selfgen_key",
+    "sequence_generator",
     "start_token",
     "windows_from_sequences",
 )

@@ -73,7 +73,7 @@ def package_dir(dist_name: str, module_name: str) -> Path:
         spec = importlib.util.find_spec(module_name)
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(f"prepare_data: package {dist_name} could not be located after install")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _finish(tmp: Path, final: Path) -> None:

@@ -252,4 +252,4 @@ def _stop_sweep(sender: Any = None, **_: Any) -> None:
         _webhooks.stop()
 
 
-__all__ = ["TASK_NAME", "SWEEP_TASK", "app", "make_celery", "sessions_for", "detect_device"]
+__all__ = ["SWEEP_TASK", "TASK_NAME", "app", "detect_device", "make_celery", "sessions_for"]

@@ -246,7 +246,7 @@ def stream_job_events(
     slots: StreamSlots = request.app.state.event_streams
     slot = slots.open(key_id)  # 429 past HIGGS_MAX_EVENT_STREAMS_PER_KEY
 
-    def load() -> dict[str, Any] | None | bool:
+    def load() -> dict[str, Any] | bool | None:
         """The job's snapshot (one short session); None once the key is revoked or the job
         is gone; False when the database did not answer (the stream skips that poll)."""
         try:

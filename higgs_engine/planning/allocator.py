@@ -35,9 +35,9 @@ from higgs_engine.planning.options import KEEP_16, Option, default_options, opti
 __all__ = [
     "FP16_BITS",
     "KEEP_16",
+    "AllocLayer",
     "Allocation",
     "DPTable",
-    "AllocLayer",
     "Option",
     "ParetoPoint",
     "Problem",
