@@ -18,7 +18,6 @@ Directory layout under artifacts_dir:
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
-from worker.messages import is_storage_full, storage_error_text
+from worker.messages import is_storage_full, storage_error_text, volume_free
 from worker.publish import (
     clear_stale_staging,
     publish_result,
@@ -150,24 +149,14 @@ def storage_recovered() -> None:
         _storage_full_since = None
 
 
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the volume holding `path` (its nearest existing parent); None if unknown."""
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
 def _wait_for_storage(
     sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
 ) -> Outcome:
     """The volume is full: the job goes back to the queue (its attempt not counted) with error
     storage_full; the sweep sends it again once the artifacts volume has more room."""
     global _storage_full_since
-    free = free_bytes(cfg.artifacts_dir)
+    space = volume_free(cfg.artifacts_dir)
+    free = None if space is None else space[0]
     shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
     message = (
         "the server's storage is full (no space left on device); the job waits in the queue "
