@@ -44,7 +44,7 @@ from app.artifacts.store import (
     join_uri,
     uri_path,
 )
-from app.db.models import CANCELLED, FAILED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING
 from app.jobs import parts as part_state
 from app.jobs.job_config import JobConfig
 from app.jobs.rows import ArtifactRow, FileRow
@@ -61,6 +61,7 @@ from worker.attempt import (
     fail_job,
     heartbeating,
     job_error_code,
+    job_snapshot,
 )
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, retry_db
@@ -187,26 +188,18 @@ class PartProgress(ProgressWriter):
         self._record(None, None)
 
 
-def _snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
-    with sessions() as s:
-        job = s.get(Job, job_id, populate_existing=True)
-        if job is not None:
-            s.expunge(job)
-        return job
-
-
 def _cancel_if_asked(
-    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int, budget_s: float
 ) -> bool:
     """When the job's cancel was asked: cancel it with its parts and remove every part's
     output. True when the job is (now) cancelled."""
-    job = _snapshot(sessions, job_id)
+    job = job_snapshot(sessions, job_id, budget_s)
     if job is None or job.attempts != attempt:
         return False
     if job.status == RUNNING and job.cancel_requested:
         with sessions() as s:
             part_state.cancel_fanout(s, job_id, attempt)
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, budget_s)
     if job is not None and job.status == CANCELLED:
         _remove_parts(store, job_id, attempt)
         return True
@@ -246,7 +239,7 @@ def run_part(
     except DatabaseUnavailableError as exc:
         return Outcome("lost", str(exc))
     if claimed is None:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", f"part {idx}: the job was cancelled")
         return Outcome("skipped")
     log.info(
@@ -306,11 +299,11 @@ def run_part(
         log.error("job %s part %d: attempt abandoned: %s", job_id, idx, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", str(exc))
         # Lost: the part's next run writes the same keys; a job attempt that ended without
         # success has its objects removed here (nothing of it can be published any more).
-        _drop_if_dead(sessions, store, job_id, attempt)
+        _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
         return Outcome("lost", str(exc))
     except StoreUnavailableError as exc:
         # The part goes back to the queue unsent; the sweep sends it again.
@@ -332,19 +325,19 @@ def run_part(
         if retry_db(fail, f"failure of job {job_id} part {idx}", cfg.db_retry_s):
             _remove_parts(store, job_id, attempt)
         else:
-            _drop_if_dead(sessions, store, job_id, attempt)
+            _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
         return Outcome("failed", f"{code}: {message}")
     finally:
         remove_tree(staging)
 
 
 def _drop_if_dead(
-    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int, budget_s: float
 ) -> None:
     """Remove the attempt's artifact location when the job ended without success or moved on
     to another attempt (what a part wrote there late can never be published)."""
     try:
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, budget_s)
     except Exception:  # the database away: the job's end or next attempt clears it
         return
     if job is None or job.attempts != attempt or job.status in (FAILED, CANCELLED):
@@ -384,10 +377,10 @@ def assemble(
     except DatabaseUnavailableError as exc:
         return Outcome("lost", str(exc))
     if not won:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", "the job was cancelled")
         return Outcome("skipped")
-    job = _snapshot(sessions, job_id)
+    job = job_snapshot(sessions, job_id, cfg.db_retry_s)
     if job is None:
         return Outcome("lost", "the job row disappeared")
     claimed = Claimed(
@@ -471,7 +464,7 @@ def assemble(
         log.error("job %s: assembly abandoned: %s", job_id, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, cfg.db_retry_s)
         if job is not None and job.status == RUNNING and job.cancel_requested:
             with sessions() as s:
                 from app.jobs import state
