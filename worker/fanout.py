@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 from app.artifacts.manifest import manifest_sha256, sha256_file
 from app.artifacts.store import (
     ArtifactStore,
-    LocalStore,
     StoreUnavailableError,
     UploadFile,
     join_uri,
@@ -78,10 +77,6 @@ if TYPE_CHECKING:
     from worker.models import ModelSource
 
 log = logging.getLogger("worker.fanout")
-
-
-def part_store(cfg: RunnerConfig) -> ArtifactStore:
-    return cfg.store if cfg.store is not None else LocalStore(cfg.artifacts_dir)
 
 
 def attempt_name(job_id: str, attempt: int) -> str:
@@ -228,7 +223,7 @@ def run_part(
     from worker.models import resolve_model
 
     worker_id = worker_id or default_worker_id()
-    store = part_store(cfg)
+    store = cfg.store
 
     def claim() -> part_state.PartClaim | None:
         with sessions() as s:
@@ -366,7 +361,7 @@ def assemble(
     from worker.models import resolve_model
 
     worker_id = worker_id or default_worker_id()
-    store = part_store(cfg)
+    store = cfg.store
 
     def claim() -> bool:
         with sessions() as s:
@@ -456,7 +451,7 @@ def assemble(
             report.save(out / "report.json")
             rows = _publish_small_files(at, store, uri, out, formats, metas)
             record_success(at, report, rows, source.revision)
-        drop_other_attempts(at, uri, uri_path(uri) if cfg.store is None else out)
+        drop_other_attempts(at, uri, uri_path(uri) if store.on_disk else out)
         log.info("job %s: assembled from %d parts by %s", job_id, len(views), worker_id)
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
@@ -530,7 +525,7 @@ def _publish_small_files(
         for rel, f in m["files"].items():
             fmt, name = rel.split("/", 1)
             listed[fmt].append(FileRow(name, int(f["bytes"]), str(f["sha256"])))
-    if at.cfg.store is None:  # a local artifact directory holds its report like publish()'s
+    if store.on_disk:  # a local artifact directory holds its report like publish()'s
         small.append(UploadFile("report.json", out / "report.json", ""))
     done = 0
 

@@ -94,11 +94,9 @@ def run_job(
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     try:
-        if cfg.store is not None:
-            # Before hours of work: the store must be there. What earlier attempts of this
-            # job left in it (objects, open multipart uploads) goes: none of it is published.
-            cfg.store.check()
-            cfg.store.clear_job(job_id, keep=None)
+        # Before hours of work: the store must be there, and what earlier attempts of this
+        # job left in it goes (a local folder: nothing to do before the attempt).
+        cfg.store.prepare_job(job_id)
         with heartbeating(writer, cfg.heartbeat_interval_s):
             final = _run_attempt(
                 Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed, dispatch)
@@ -194,7 +192,7 @@ def _wait_for_store(
 ) -> Outcome:
     """The artifact store cannot be used: the job goes back to the queue (its attempt not
     counted) with error storage_unavailable; the sweep sends it again once the store answers."""
-    where = cfg.store.describe() if cfg.store is not None else str(cfg.artifacts_dir)
+    where = cfg.store.describe()
     log.error("job %s: artifact store %s unavailable (%s); back in the queue", job_id, where, exc)
     message = (
         "the artifact store cannot be reached; the job waits in the queue and runs again once "
