@@ -105,13 +105,6 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def planned_grids(path: Path, config: HiggsConfig) -> list[tuple[int, int]]:
-    """The (p, n) grids a run of `config` over the sharded checkpoint `path` uses, from its
-    shard index alone (the native artifact's last shard holds them)."""
-    _, plans = _plans(path, load_config(path), config)
-    return sorted({(int(pl.grid[0]), int(pl.grid[1])) for pl in plans if pl.grid is not None})
-
-
 def shard_counts(n_parts: int, formats: Sequence[str], with_grids: bool) -> dict[str, int]:
     """Shards per format of an artifact assembled from n_parts parts (native: one more for
     the grids when any layer is quantized)."""

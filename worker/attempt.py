@@ -54,8 +54,14 @@ def job_error_code(exc: BaseException) -> str:
     return "internal_error"
 
 
+def worker_id_of(pid: int) -> str:
+    """The worker id of the process `pid` on this host (what a job or part row records as its
+    owner)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return worker_id_of(os.getpid())
 
 
 # ---------------------------------------------------------------- progress + heartbeat

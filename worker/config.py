@@ -27,6 +27,9 @@ class RunnerConfig:
     hf_offline: bool
     device: str
     heartbeat_interval_s: float
+    # Where artifacts are published: the artifacts_dir folder (LocalStore), or a remote store
+    # (HIGGS_ARTIFACTS_URL=s3://...) the files are uploaded to from local staging.
+    store: ArtifactStore
     progress_min_interval_s: float = 0.5
     debug_layer_delay_s: float = 0.0
     # Evaluation text for jobs with options.evaluate (settings.eval_text_file); None = refuse them.
@@ -37,9 +40,6 @@ class RunnerConfig:
     profiles: ProfileSettings | None = None
     # How long a database write is retried through an outage before the attempt is abandoned.
     db_retry_s: float = 300.0
-    # An artifact store other than artifacts_dir (HIGGS_ARTIFACTS_URL=s3://...): the engine
-    # still writes to local staging, then the files are uploaded there. None: artifacts_dir.
-    store: ArtifactStore | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -52,13 +52,13 @@ class RunnerConfig:
             device=device,
             # Several beats per timeout, so one slow write never makes a live job look dead.
             heartbeat_interval_s=max(0.2, min(15.0, settings.heartbeat_timeout_s / 4)),
+            store=store_from_settings(settings),
             debug_layer_delay_s=max(0.0, delay),
             eval_text_file=settings.eval_text_file,
             eval_context=settings.eval_context,
             eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
             db_retry_s=settings.worker_db_retry_s,
-            store=store_from_settings(settings) if settings.artifacts_url else None,
         )
 
     def profile_settings(self) -> ProfileSettings:

@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING, Any
 from app.artifacts.manifest import manifest_sha256, sha256_file
 from app.artifacts.store import (
     ArtifactStore,
-    LocalStore,
     StoreUnavailableError,
     UploadFile,
     join_uri,
     uri_path,
 )
-from app.db.models import CANCELLED, FAILED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING
 from app.jobs import parts as part_state
 from app.jobs.job_config import JobConfig
 from app.jobs.rows import ArtifactRow, FileRow
@@ -61,6 +60,7 @@ from worker.attempt import (
     fail_job,
     heartbeating,
     job_error_code,
+    job_snapshot,
 )
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, retry_db
@@ -77,10 +77,6 @@ if TYPE_CHECKING:
     from worker.models import ModelSource
 
 log = logging.getLogger("worker.fanout")
-
-
-def part_store(cfg: RunnerConfig) -> ArtifactStore:
-    return cfg.store if cfg.store is not None else LocalStore(cfg.artifacts_dir)
 
 
 def attempt_name(job_id: str, attempt: int) -> str:
@@ -187,26 +183,18 @@ class PartProgress(ProgressWriter):
         self._record(None, None)
 
 
-def _snapshot(sessions: SessionFactory, job_id: str) -> Job | None:
-    with sessions() as s:
-        job = s.get(Job, job_id, populate_existing=True)
-        if job is not None:
-            s.expunge(job)
-        return job
-
-
 def _cancel_if_asked(
-    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int, budget_s: float
 ) -> bool:
     """When the job's cancel was asked: cancel it with its parts and remove every part's
     output. True when the job is (now) cancelled."""
-    job = _snapshot(sessions, job_id)
+    job = job_snapshot(sessions, job_id, budget_s)
     if job is None or job.attempts != attempt:
         return False
     if job.status == RUNNING and job.cancel_requested:
         with sessions() as s:
             part_state.cancel_fanout(s, job_id, attempt)
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, budget_s)
     if job is not None and job.status == CANCELLED:
         _remove_parts(store, job_id, attempt)
         return True
@@ -235,7 +223,7 @@ def run_part(
     from worker.models import resolve_model
 
     worker_id = worker_id or default_worker_id()
-    store = part_store(cfg)
+    store = cfg.store
 
     def claim() -> part_state.PartClaim | None:
         with sessions() as s:
@@ -246,7 +234,7 @@ def run_part(
     except DatabaseUnavailableError as exc:
         return Outcome("lost", str(exc))
     if claimed is None:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", f"part {idx}: the job was cancelled")
         return Outcome("skipped")
     log.info(
@@ -306,11 +294,11 @@ def run_part(
         log.error("job %s part %d: attempt abandoned: %s", job_id, idx, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", str(exc))
         # Lost: the part's next run writes the same keys; a job attempt that ended without
         # success has its objects removed here (nothing of it can be published any more).
-        _drop_if_dead(sessions, store, job_id, attempt)
+        _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
         return Outcome("lost", str(exc))
     except StoreUnavailableError as exc:
         # The part goes back to the queue unsent; the sweep sends it again.
@@ -332,19 +320,19 @@ def run_part(
         if retry_db(fail, f"failure of job {job_id} part {idx}", cfg.db_retry_s):
             _remove_parts(store, job_id, attempt)
         else:
-            _drop_if_dead(sessions, store, job_id, attempt)
+            _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
         return Outcome("failed", f"{code}: {message}")
     finally:
         remove_tree(staging)
 
 
 def _drop_if_dead(
-    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int
+    sessions: SessionFactory, store: ArtifactStore, job_id: str, attempt: int, budget_s: float
 ) -> None:
     """Remove the attempt's artifact location when the job ended without success or moved on
     to another attempt (what a part wrote there late can never be published)."""
     try:
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, budget_s)
     except Exception:  # the database away: the job's end or next attempt clears it
         return
     if job is None or job.attempts != attempt or job.status in (FAILED, CANCELLED):
@@ -373,7 +361,7 @@ def assemble(
     from worker.models import resolve_model
 
     worker_id = worker_id or default_worker_id()
-    store = part_store(cfg)
+    store = cfg.store
 
     def claim() -> bool:
         with sessions() as s:
@@ -384,10 +372,10 @@ def assemble(
     except DatabaseUnavailableError as exc:
         return Outcome("lost", str(exc))
     if not won:
-        if _cancel_if_asked(sessions, store, job_id, attempt):
+        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
             return Outcome("cancelled", "the job was cancelled")
         return Outcome("skipped")
-    job = _snapshot(sessions, job_id)
+    job = job_snapshot(sessions, job_id, cfg.db_retry_s)
     if job is None:
         return Outcome("lost", "the job row disappeared")
     claimed = Claimed(
@@ -463,7 +451,7 @@ def assemble(
             report.save(out / "report.json")
             rows = _publish_small_files(at, store, uri, out, formats, metas)
             record_success(at, report, rows, source.revision)
-        drop_other_attempts(at, uri, uri_path(uri) if cfg.store is None else out)
+        drop_other_attempts(at, uri, uri_path(uri) if store.on_disk else out)
         log.info("job %s: assembled from %d parts by %s", job_id, len(views), worker_id)
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
@@ -471,7 +459,7 @@ def assemble(
         log.error("job %s: assembly abandoned: %s", job_id, exc)
         return Outcome("lost", str(exc))
     except CancelledError as exc:
-        job = _snapshot(sessions, job_id)
+        job = job_snapshot(sessions, job_id, cfg.db_retry_s)
         if job is not None and job.status == RUNNING and job.cancel_requested:
             with sessions() as s:
                 from app.jobs import state
@@ -537,7 +525,7 @@ def _publish_small_files(
         for rel, f in m["files"].items():
             fmt, name = rel.split("/", 1)
             listed[fmt].append(FileRow(name, int(f["bytes"]), str(f["sha256"])))
-    if at.cfg.store is None:  # a local artifact directory holds its report like publish()'s
+    if store.on_disk:  # a local artifact directory holds its report like publish()'s
         small.append(UploadFile("report.json", out / "report.json", ""))
     done = 0
 

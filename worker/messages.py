@@ -1,4 +1,5 @@
-"""What a job's error message may say to the user, and how a full disk is recognised.
+"""What a job's error message may say to the user, and how a full disk is recognised
+(and how much room the artifacts volume has).
 
 Job error messages are read by API clients: they carry no absolute server paths (a path under
 a known folder is shown relative to it, any other absolute path by its last component) and
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,3 +115,15 @@ def public_message(exc: BaseException, roots: Mapping[Path, str]) -> str:
     """The job's error message for an exception: no server paths, at most MAX_CHARS."""
     raw = f"{exc}" if isinstance(exc, HiggsError) else f"{type(exc).__name__}: {exc}"
     return shorten(scrub_paths(raw, roots))
+
+
+def volume_free(path: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the volume holding `path`, None when it cannot be read."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return None
+    return usage.free, usage.total

@@ -133,24 +133,24 @@ def publish_result(
     if writer.stop.is_set():
         raise CancelledError("cancelled while packaging")
     store = cfg.store
-    if store is not None:
+    if store.on_disk:  # one rename into artifacts_dir; the rows are read from the moved files
+        uri, final = "", publish(out, cfg.artifacts_dir, attempt.job_id, attempt.staging.name)
+    else:
         uri, rows = _upload(store, out, attempt.job_id, attempt.staging.name, formats, writer)
         final = out
-    else:
-        uri, final = "", publish(out, cfg.artifacts_dir, attempt.job_id, attempt.staging.name)
     try:
-        if store is None:
+        if store.on_disk:
             rows = artifact_rows(final, formats)
         record_success(attempt, report, rows, model_revision)
     except BaseException:
         # Not recorded as succeeded (cancelled meanwhile, lost, bad rows): unpublish.
-        if store is not None:
+        if not store.on_disk:
             with contextlib.suppress(Exception):  # a store that is away: the next attempt clears
                 store.delete_tree(uri)
         remove_tree(final)
         remove_empty_job_dir(cfg.artifacts_dir, attempt.job_id)
         raise
-    drop_other_attempts(attempt, uri if store is not None else None, final)
+    drop_other_attempts(attempt, uri, final)
     return final
 
 
@@ -191,14 +191,15 @@ def record_success(
     retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
 
 
-def drop_other_attempts(attempt: Attempt, uri: str | None, final: Path) -> None:
+def drop_other_attempts(attempt: Attempt, uri: str, final: Path) -> None:
     """Exactly one published artifact set per job: drop what earlier attempts left behind
-    (`uri` in the store, or the local directory `final` when there is no store)."""
+    (in a local folder store: every folder of the job but `final`; in a remote store: every
+    object of the job outside `uri`)."""
     cfg, job_id = attempt.cfg, attempt.job_id
-    if cfg.store is not None:
-        try:
-            cfg.store.clear_job(job_id, keep=uri)
-        except StoreUnavailableError as e:
-            log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)
-    else:
+    if cfg.store.on_disk:
         prune_job_dir(cfg.artifacts_dir, job_id, keep=final)
+        return
+    try:
+        cfg.store.clear_job(job_id, keep=uri)
+    except StoreUnavailableError as e:
+        log.warning("job %s: earlier attempts' objects not removed: %s", job_id, e)

@@ -18,7 +18,6 @@ Directory layout under artifacts_dir:
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
-from worker.messages import is_storage_full, storage_error_text
+from worker.messages import is_storage_full, storage_error_text, volume_free
 from worker.publish import (
     clear_stale_staging,
     publish_result,
@@ -95,11 +94,9 @@ def run_job(
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     try:
-        if cfg.store is not None:
-            # Before hours of work: the store must be there. What earlier attempts of this
-            # job left in it (objects, open multipart uploads) goes: none of it is published.
-            cfg.store.check()
-            cfg.store.clear_job(job_id, keep=None)
+        # Before hours of work: the store must be there, and what earlier attempts of this
+        # job left in it goes (a local folder: nothing to do before the attempt).
+        cfg.store.prepare_job(job_id)
         with heartbeating(writer, cfg.heartbeat_interval_s):
             final = _run_attempt(
                 Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed, dispatch)
@@ -150,24 +147,14 @@ def storage_recovered() -> None:
         _storage_full_since = None
 
 
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the volume holding `path` (its nearest existing parent); None if unknown."""
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
 def _wait_for_storage(
     sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
 ) -> Outcome:
     """The volume is full: the job goes back to the queue (its attempt not counted) with error
     storage_full; the sweep sends it again once the artifacts volume has more room."""
     global _storage_full_since
-    free = free_bytes(cfg.artifacts_dir)
+    space = volume_free(cfg.artifacts_dir)
+    free = None if space is None else space[0]
     shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
     message = (
         "the server's storage is full (no space left on device); the job waits in the queue "
@@ -205,7 +192,7 @@ def _wait_for_store(
 ) -> Outcome:
     """The artifact store cannot be used: the job goes back to the queue (its attempt not
     counted) with error storage_unavailable; the sweep sends it again once the store answers."""
-    where = cfg.store.describe() if cfg.store is not None else str(cfg.artifacts_dir)
+    where = cfg.store.describe()
     log.error("job %s: artifact store %s unavailable (%s); back in the queue", job_id, where, exc)
     message = (
         "the artifact store cannot be reached; the job waits in the queue and runs again once "

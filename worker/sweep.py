@@ -25,12 +25,10 @@ rode out the outage (they retry their writes) get to beat again before anyone ju
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -39,6 +37,7 @@ from app.calibrations.service import delete_expired
 from app.db.base import utcnow
 from app.jobs import state
 from app.settings import Settings
+from worker.messages import volume_free
 from worker.periodic import PeriodicThread
 
 log = logging.getLogger("worker.sweep")
@@ -135,18 +134,6 @@ def sweep(
     ):
         log.info("sweep: %s", out.as_dict())
     return out
-
-
-def volume_free(path: Path) -> tuple[int, int] | None:
-    """(free, total) bytes of the volume holding `path`, None when it cannot be read."""
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        usage = shutil.disk_usage(p)
-    except OSError:
-        return None
-    return usage.free, usage.total
 
 
 def _storage_ready(sessions: sessionmaker[Session], settings: Settings) -> list[str]:

@@ -10,7 +10,6 @@ whole worker that dies is handled by the heartbeat sweep, also with bounded atte
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -18,6 +17,7 @@ from celery.worker.request import Request
 
 from app.jobs import parts, state
 from app.settings import TASK_NAME
+from worker.attempt import worker_id_of
 from worker.celery_app import (
     ASSEMBLE_TASK,
     PART_TASK,
@@ -70,8 +70,7 @@ class JobRequest(Request):
         if not (lost or timed_out) or self.worker_pid is None or not self.args:
             return
         job_id = str(self.args[0])
-        # The runner's worker id in the pool process that ran it (worker.attempt.default_worker_id).
-        owner = f"{socket.gethostname()}:{self.worker_pid}"
+        owner = worker_id_of(self.worker_pid)  # the runner's worker id in that pool process
         settings = app.conf.higgs_settings
         sessions = sessions_for(settings)
         if timed_out:
@@ -125,7 +124,7 @@ class PartRequest(Request):
         if not (lost or timed_out) or self.worker_pid is None or len(self.args) < 3:
             return
         job_id, attempt, idx = str(self.args[0]), int(self.args[1]), int(self.args[2])
-        owner = f"{socket.gethostname()}:{self.worker_pid}"
+        owner = worker_id_of(self.worker_pid)
         settings = app.conf.higgs_settings
         sessions = sessions_for(settings)
         if timed_out:

@@ -79,6 +79,10 @@ class ArtifactStore(ABC):
     """One artifact store; URIs name artifact roots (a 'directory' per job attempt and format)."""
 
     scheme: str
+    # A folder on this machine's disk (LocalStore): the worker moves a finished output into
+    # place with one rename (its report.json with it) and prunes earlier attempts' folders
+    # itself, where a remote store gets the files uploaded.
+    on_disk: bool = False
 
     @abstractmethod
     def describe(self) -> str:
@@ -138,6 +142,13 @@ class ArtifactStore(ABC):
     def clear_job(self, job_id: str, keep: str | None) -> None:
         """Remove every attempt of the job except the one under `keep`."""
 
+    def prepare_job(self, job_id: str) -> None:
+        """Before an attempt's work: StoreUnavailableError when the store cannot be used now;
+        what earlier attempts of the job left (objects, open multipart uploads) goes, since
+        none of it is published."""
+        self.check()
+        self.clear_job(job_id, keep=None)
+
 
 def join_uri(root_uri: str, path: str) -> str:
     return root_uri.rstrip("/") + "/" + path
@@ -160,6 +171,7 @@ def uri_path(uri: str) -> Path:
 
 class LocalStore(ArtifactStore):
     scheme = "file"
+    on_disk = True
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -256,6 +268,11 @@ class LocalStore(ArtifactStore):
         if kept is None:
             with contextlib.suppress(OSError):
                 job_dir.rmdir()
+
+    def prepare_job(self, job_id: str) -> None:
+        """Nothing: an attempt makes its folders as it writes them, and earlier attempts'
+        folders go once one is recorded as succeeded."""
+        return None
 
 
 # ---------------------------------------------------------------- S3-compatible

@@ -10,6 +10,9 @@ UPDATEs, so duplicate messages and racing workers are harmless.
     every part done --claim_assembly--> job stage "packaging" (one assembler) -> succeeded
     cancel requested --cancel_fanout--> job cancelled, parts cancelled
 
+Every query runs through app.jobs.repository (job rows with its compare_and_set); this module
+holds the rules.
+
 Parts belong to one attempt of the job (job_attempt = jobs.attempts when fanned out): a message
 of an older attempt finds nothing to claim. While a job is fanned out its heartbeat is kept by
 its parts (and by the assembler); the job-level stale sweep leaves it to the part sweep.
@@ -20,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, and_, delete, exists, func, or_, select, update
+from sqlalchemy import exists, or_
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -39,6 +42,7 @@ from app.db.models import (
     Job,
     JobPart,
 )
+from app.jobs import repository
 from app.jobs.state import MAX_MESSAGE_CHARS, WORKER_LOST, closed_stage_durations
 
 FANOUT_STAGE = "quantizing"
@@ -80,39 +84,22 @@ class PartView:
     output: dict[str, Any] | None
 
 
-def _update_one(session: Session, stmt: Any) -> bool:
-    """Run a compare-and-set UPDATE; True when it matched exactly one row."""
-    result = session.execute(stmt.execution_options(synchronize_session=False))
-    return cast(CursorResult[Any], result).rowcount == 1
+_cas = repository.compare_and_set
+_cas_part = repository.compare_and_set_part
 
 
-def fanned_out() -> ColumnElement[bool]:
-    """Jobs whose current attempt is fanned out (a condition on Job)."""
-    return exists().where(JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts)
-
-
-def _job_live(job_id: str, attempt: int) -> list[ColumnElement[bool]]:
-    return [
-        Job.id == job_id,
-        Job.status == RUNNING,
-        Job.attempts == attempt,
-        Job.cancel_requested.is_(False),
-    ]
+def _live(attempt: int) -> list[ColumnElement[bool]]:
+    """The job runs this attempt and no cancel was asked (conditions on Job, beside its id)."""
+    return [Job.status == RUNNING, Job.attempts == attempt, Job.cancel_requested.is_(False)]
 
 
 def _job_is_live(job_id: str, attempt: int) -> ColumnElement[bool]:
-    return exists().where(*_job_live(job_id, attempt))
+    return exists().where(Job.id == job_id, *_live(attempt))
 
 
-def _part(job_id: str, attempt: int, idx: int) -> list[ColumnElement[bool]]:
-    return [JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.idx == idx]
-
-
-def _running_part(
-    job_id: str, attempt: int, idx: int, worker_id: str | None
-) -> list[ColumnElement[bool]]:
+def _running(worker_id: str | None) -> list[ColumnElement[bool]]:
     """The part while it runs, on `worker_id` (None: on any worker)."""
-    conds = [*_part(job_id, attempt, idx), JobPart.state == PART_RUNNING]
+    conds = [JobPart.state == PART_RUNNING]
     if worker_id is not None:
         conds.append(JobPart.worker_id == worker_id)
     return conds
@@ -133,57 +120,56 @@ def fan_out(
     earlier attempts replaced), stage quantizing with the parts' layers as the total. False
     when the job is no longer the coordinator's to run (cancelled, re-queued)."""
     now = utcnow()
-    job = session.get(Job, job_id, populate_existing=True)
+    job = repository.get(session, job_id)
     if job is None:
         session.rollback()
         return False
-    matched = _update_one(
+    matched = _cas(
         session,
-        update(Job)
-        .where(*_job_live(job_id, attempt), Job.worker_id == worker_id)
-        .values(
-            stage=FANOUT_STAGE,
-            stage_durations=closed_stage_durations(job, now),
-            stage_started_at=now,
-            progress_done=0,
-            progress_total=sum(p.total for p in parts),
-            heartbeat_at=now,
-            updated_at=now,
-        ),
+        job_id,
+        [*_live(attempt), Job.worker_id == worker_id],
+        {
+            "stage": FANOUT_STAGE,
+            "stage_durations": closed_stage_durations(job, now),
+            "stage_started_at": now,
+            "progress_done": 0,
+            "progress_total": sum(p.total for p in parts),
+            "heartbeat_at": now,
+            "updated_at": now,
+        },
     )
     if not matched:
         session.rollback()
         return False
-    session.execute(delete(JobPart).where(JobPart.job_id == job_id))
-    session.add_all(
-        JobPart(
-            job_id=job_id,
-            idx=p.idx,
-            job_attempt=attempt,
-            shards=list(p.shards),
-            engine_config=dict(engine_config),
-            state=PART_QUEUED,
-            attempts=0,
-            progress_done=0,
-            progress_total=p.total,
-        )
-        for p in parts
+    repository.replace_parts(
+        session,
+        job_id,
+        (
+            JobPart(
+                job_id=job_id,
+                idx=p.idx,
+                job_attempt=attempt,
+                shards=list(p.shards),
+                engine_config=dict(engine_config),
+                state=PART_QUEUED,
+                attempts=0,
+                progress_done=0,
+                progress_total=p.total,
+            )
+            for p in parts
+        ),
     )
     session.commit()
     return True
 
 
 def mark_parts_enqueued(session: Session, job_id: str, attempt: int, idxs: Sequence[int]) -> None:
-    session.execute(
-        update(JobPart)
-        .where(
-            JobPart.job_id == job_id,
-            JobPart.job_attempt == attempt,
-            JobPart.idx.in_(list(idxs)),
-            JobPart.state == PART_QUEUED,
-        )
-        .values(enqueued_at=utcnow())
-        .execution_options(synchronize_session=False)
+    repository.update_parts(
+        session,
+        job_id,
+        attempt,
+        [JobPart.idx.in_(list(idxs)), JobPart.state == PART_QUEUED],
+        {"enqueued_at": utcnow()},
     )
     session.commit()
 
@@ -197,36 +183,30 @@ def claim_part(
     """queued -> running (attempts += 1) while the job runs this attempt and no cancel was
     asked. None when there is nothing to claim (duplicate message, older attempt, done)."""
     now = utcnow()
-    matched = _update_one(
+    matched = _cas_part(
         session,
-        update(JobPart)
-        .where(
-            *_part(job_id, attempt, idx),
-            JobPart.state == PART_QUEUED,
-            _job_is_live(job_id, attempt),
-        )
-        .values(
-            state=PART_RUNNING,
-            attempts=JobPart.attempts + 1,
-            worker_id=worker_id,
-            started_at=now,
-            heartbeat_at=now,
-            progress_done=0,
-            error_code=None,
-            error_message=None,
-        ),
+        job_id,
+        attempt,
+        idx,
+        [JobPart.state == PART_QUEUED, _job_is_live(job_id, attempt)],
+        {
+            "state": PART_RUNNING,
+            "attempts": JobPart.attempts + 1,
+            "worker_id": worker_id,
+            "started_at": now,
+            "heartbeat_at": now,
+            "progress_done": 0,
+            "error_code": None,
+            "error_message": None,
+        },
     )
     if not matched:
         session.rollback()
         return None
     session.commit()
-    part = session.get(JobPart, (job_id, idx), populate_existing=True)
-    job = session.get(Job, job_id, populate_existing=True)
-    n_parts = session.scalar(
-        select(func.count())
-        .select_from(JobPart)
-        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
-    )
+    part = repository.get_part(session, job_id, idx)
+    job = repository.get(session, job_id)
+    n_parts = repository.count_parts(session, job_id, attempt)
     session.rollback()
     if part is None or job is None:
         return None
@@ -240,7 +220,7 @@ def claim_part(
         job.model_revision,
         dict(job.request),
         dict(part.engine_config),
-        int(n_parts or 0),
+        n_parts,
     )
 
 
@@ -248,17 +228,8 @@ def _touch_job(session: Session, job_id: str, attempt: int, progress: bool) -> N
     now = utcnow()
     values: dict[str, Any] = {"heartbeat_at": now, "updated_at": now}
     if progress:
-        values["progress_done"] = (
-            select(func.coalesce(func.sum(JobPart.progress_done), 0))
-            .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
-            .scalar_subquery()
-        )
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
+        values["progress_done"] = repository.parts_progress(job_id, attempt)
+    _cas(session, job_id, [Job.status == RUNNING, Job.attempts == attempt], values)
 
 
 def record_part_progress(
@@ -279,21 +250,14 @@ def record_part_progress(
         values["progress_done"] = int(done)
     if total is not None:
         values["progress_total"] = int(total)
-    matched = _update_one(
-        session,
-        update(JobPart)
-        .where(
-            *_running_part(job_id, attempt, idx, worker_id),
-        )
-        .values(**values),
-    )
+    matched = _cas_part(session, job_id, attempt, idx, _running(worker_id), values)
     if not matched:
         session.rollback()
         return False
     _touch_job(session, job_id, attempt, progress=done is not None)
-    live = session.scalar(select(_job_is_live(job_id, attempt)))
+    live = repository.holds(session, _job_is_live(job_id, attempt))
     session.commit()
-    return bool(live)
+    return live
 
 
 def finish_part(
@@ -309,22 +273,21 @@ def finish_part(
     """running -> done, recording where its output is and its metadata (`output`). False (nothing recorded) when the part
     is not this worker's or the job stopped meanwhile: the caller removes its output."""
     now = utcnow()
-    matched = _update_one(
+    matched = _cas_part(
         session,
-        update(JobPart)
-        .where(
-            *_running_part(job_id, attempt, idx, worker_id),
-            _job_is_live(job_id, attempt),
-        )
-        .values(
-            state=PART_DONE,
-            finished_at=now,
-            heartbeat_at=now,
-            seconds=round(float(seconds), 6),
-            output_uri=output_uri,
-            output=output,
-            progress_done=JobPart.progress_total,
-        ),
+        job_id,
+        attempt,
+        idx,
+        [*_running(worker_id), _job_is_live(job_id, attempt)],
+        {
+            "state": PART_DONE,
+            "finished_at": now,
+            "heartbeat_at": now,
+            "seconds": round(float(seconds), 6),
+            "output_uri": output_uri,
+            "output": output,
+            "progress_done": JobPart.progress_total,
+        },
     )
     if not matched:
         session.rollback()
@@ -335,15 +298,12 @@ def finish_part(
 
 
 def _stop_siblings(session: Session, job_id: str, attempt: int, now: datetime) -> None:
-    session.execute(
-        update(JobPart)
-        .where(
-            JobPart.job_id == job_id,
-            JobPart.job_attempt == attempt,
-            JobPart.state.in_((PART_QUEUED, PART_RUNNING)),
-        )
-        .values(state=PART_CANCELLED, finished_at=now)
-        .execution_options(synchronize_session=False)
+    repository.update_parts(
+        session,
+        job_id,
+        attempt,
+        [JobPart.state.in_((PART_QUEUED, PART_RUNNING))],
+        {"state": PART_CANCELLED, "finished_at": now},
     )
 
 
@@ -360,35 +320,37 @@ def fail_part(
     fails with the part's code and message, its other parts are cancelled. False when the
     job was no longer running this attempt (nothing changed)."""
     now = utcnow()
-    matched = _update_one(
+    matched = _cas_part(
         session,
-        update(JobPart)
-        .where(*_running_part(job_id, attempt, idx, worker_id))
-        .values(
-            state=PART_FAILED,
-            finished_at=now,
-            error_code=code[:64],
-            error_message=message[:MAX_MESSAGE_CHARS],
-        ),
+        job_id,
+        attempt,
+        idx,
+        _running(worker_id),
+        {
+            "state": PART_FAILED,
+            "finished_at": now,
+            "error_code": code[:64],
+            "error_message": message[:MAX_MESSAGE_CHARS],
+        },
     )
     if not matched:
         session.rollback()
         return False
-    part = session.get(JobPart, (job_id, idx))
+    part = repository.get_part(session, job_id, idx, fresh=False)
     shards = ", ".join(part.shards) if part is not None else "?"
-    matched = _update_one(
+    matched = _cas(
         session,
-        update(Job)
-        .where(Job.id == job_id, Job.status == RUNNING, Job.attempts == attempt)
-        .values(
-            status=FAILED,
-            error_code=code[:64],
-            error_message=f"part {idx} ({shards}): {message}"[:MAX_MESSAGE_CHARS],
-            stage=None,
-            stage_started_at=None,
-            finished_at=now,
-            updated_at=now,
-        ),
+        job_id,
+        [Job.status == RUNNING, Job.attempts == attempt],
+        {
+            "status": FAILED,
+            "error_code": code[:64],
+            "error_message": f"part {idx} ({shards}): {message}"[:MAX_MESSAGE_CHARS],
+            "stage": None,
+            "stage_started_at": None,
+            "finished_at": now,
+            "updated_at": now,
+        },
     )
     if not matched:
         session.rollback()
@@ -402,23 +364,18 @@ def cancel_fanout(session: Session, job_id: str, attempt: int) -> bool:
     """A fanned-out job whose cancel was asked: cancelled, with every unfinished part. True
     when the job is cancelled (now or before); False when it is not this attempt's to cancel."""
     now = utcnow()
-    job = session.get(Job, job_id, populate_existing=True)
+    job = repository.get(session, job_id)
     if job is None or job.attempts != attempt:
         session.rollback()
         return False
     if job.status == CANCELLED:
         session.rollback()
         return True
-    matched = _update_one(
+    matched = _cas(
         session,
-        update(Job)
-        .where(
-            Job.id == job_id,
-            Job.status == RUNNING,
-            Job.attempts == attempt,
-            Job.cancel_requested.is_(True),
-        )
-        .values(status=CANCELLED, finished_at=now, updated_at=now, stage=None),
+        job_id,
+        [Job.status == RUNNING, Job.attempts == attempt, Job.cancel_requested.is_(True)],
+        {"status": CANCELLED, "finished_at": now, "updated_at": now, "stage": None},
     )
     if not matched:
         session.rollback()
@@ -443,7 +400,7 @@ def release_lost_part(
     unsent and the sweep sends it again), or, once max_attempts claims were used, the job
     fails with worker_lost. Returns the part's new state, None if it was not running for
     that worker."""
-    part = session.get(JobPart, (job_id, idx), populate_existing=True)
+    part = repository.get_part(session, job_id, idx)
     if (
         part is None
         or part.job_attempt != attempt
@@ -460,18 +417,18 @@ def release_lost_part(
             if fail_part(session, job_id, attempt, idx, worker_id, WORKER_LOST, msg)
             else None
         )
-    matched = _update_one(
+    matched = _cas_part(
         session,
-        update(JobPart)
-        .where(
-            *_running_part(job_id, attempt, idx, worker_id),
-        )
-        .values(
-            state=PART_QUEUED,
-            worker_id=None,
-            heartbeat_at=None,
-            enqueued_at=utcnow() if message_returns else None,
-        ),
+        job_id,
+        attempt,
+        idx,
+        _running(worker_id),
+        {
+            "state": PART_QUEUED,
+            "worker_id": None,
+            "heartbeat_at": None,
+            "enqueued_at": utcnow() if message_returns else None,
+        },
     )
     if not matched:
         session.rollback()
@@ -491,26 +448,26 @@ def claim_assembly(session: Session, job_id: str, attempt: int, worker_id: str) 
         JobPart.job_id == job_id, JobPart.job_attempt == attempt, JobPart.state != PART_DONE
     )
     any_part = exists().where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
-    job = session.get(Job, job_id, populate_existing=True)
+    job = repository.get(session, job_id)
     if job is None:
         session.rollback()
         return False
     # The parts' stage ends here (its time goes to stage_durations, as a single run's does).
     durations = closed_stage_durations(job, now)
-    matched = _update_one(
+    matched = _cas(
         session,
-        update(Job)
-        .where(*_job_live(job_id, attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part)
-        .values(
-            stage="packaging",
-            stage_durations=durations,
-            stage_started_at=now,
-            progress_done=0,
-            progress_total=1,
-            worker_id=worker_id,
-            heartbeat_at=now,
-            updated_at=now,
-        ),
+        job_id,
+        [*_live(attempt), Job.stage == FANOUT_STAGE, ~not_done, any_part],
+        {
+            "stage": "packaging",
+            "stage_durations": durations,
+            "stage_started_at": now,
+            "progress_done": 0,
+            "progress_total": 1,
+            "worker_id": worker_id,
+            "heartbeat_at": now,
+            "updated_at": now,
+        },
     )
     if not matched:
         session.rollback()
@@ -520,12 +477,7 @@ def claim_assembly(session: Session, job_id: str, attempt: int, worker_id: str) 
 
 
 def parts_of(session: Session, job_id: str, attempt: int) -> list[PartView]:
-    rows = session.scalars(
-        select(JobPart)
-        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
-        .order_by(JobPart.idx)
-        .execution_options(populate_existing=True)
-    ).all()
+    rows = repository.parts(session, job_id, attempt)
     out = [
         PartView(
             r.idx,
@@ -574,13 +526,10 @@ def sweep_parts(
     lost with its host), and cancelled-while-waiting jobs, to send an assembly to."""
     cutoff = now - timedelta(seconds=heartbeat_timeout_s)
     out = PartSweep([], [], [], [], [])
-    stale = session.execute(
-        select(
-            JobPart.job_id, JobPart.job_attempt, JobPart.idx, JobPart.attempts, JobPart.worker_id
-        )
-        .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
-        .where(JobPart.state == PART_RUNNING, JobPart.heartbeat_at < cutoff, Job.status == RUNNING)
-    ).all()
+    stale = repository.current_parts(
+        session,
+        [JobPart.state == PART_RUNNING, JobPart.heartbeat_at < cutoff, Job.status == RUNNING],
+    )
     session.rollback()
     for job_id, attempt, idx, attempts, worker in stale:
         if attempts >= max_attempts:
@@ -591,15 +540,13 @@ def sweep_parts(
             if fail_part(session, job_id, attempt, idx, worker, WORKER_LOST, msg):
                 out.failed.append(job_id)
             continue
-        matched = _update_one(
+        matched = _cas_part(
             session,
-            update(JobPart)
-            .where(
-                *_part(job_id, attempt, idx),
-                JobPart.state == PART_RUNNING,
-                JobPart.heartbeat_at < cutoff,
-            )
-            .values(state=PART_QUEUED, worker_id=None, heartbeat_at=None, enqueued_at=None),
+            job_id,
+            attempt,
+            idx,
+            [JobPart.state == PART_RUNNING, JobPart.heartbeat_at < cutoff],
+            {"state": PART_QUEUED, "worker_id": None, "heartbeat_at": None, "enqueued_at": None},
         )
         if matched:
             session.commit()
@@ -607,29 +554,21 @@ def sweep_parts(
         else:
             session.rollback()
     # Assemblies that stopped beating: their job's stage goes back, the barrier resends.
-    stuck = (
-        session.execute(
-            select(Job.id).where(
-                Job.status == RUNNING,
-                Job.stage.in_(ASSEMBLY_STAGES),
-                Job.heartbeat_at < cutoff,
-                fanned_out(),
-            )
-        )
-        .scalars()
-        .all()
+    stuck = repository.job_ids(
+        session,
+        [
+            Job.status == RUNNING,
+            Job.stage.in_(ASSEMBLY_STAGES),
+            Job.heartbeat_at < cutoff,
+            repository.fanned_out(),
+        ],
     )
     for job_id in stuck:
-        matched = _update_one(
+        matched = _cas(
             session,
-            update(Job)
-            .where(
-                Job.id == job_id,
-                Job.status == RUNNING,
-                Job.stage.in_(ASSEMBLY_STAGES),
-                Job.heartbeat_at < cutoff,
-            )
-            .values(stage=FANOUT_STAGE, heartbeat_at=now, updated_at=now),
+            job_id,
+            [Job.status == RUNNING, Job.stage.in_(ASSEMBLY_STAGES), Job.heartbeat_at < cutoff],
+            {"stage": FANOUT_STAGE, "heartbeat_at": now, "updated_at": now},
         )
         if matched:
             session.commit()
@@ -638,10 +577,9 @@ def sweep_parts(
             session.rollback()
     out.unsent = [
         (str(j), int(a), int(i))
-        for j, a, i in session.execute(
-            select(JobPart.job_id, JobPart.job_attempt, JobPart.idx)
-            .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
-            .where(
+        for j, a, i, _, _ in repository.current_parts(
+            session,
+            [
                 JobPart.state == PART_QUEUED,
                 Job.status == RUNNING,
                 JobPart.enqueued_at.is_(None)
@@ -650,8 +588,8 @@ def sweep_parts(
                     JobPart.enqueued_at.is_(None),
                     JobPart.enqueued_at < now - timedelta(seconds=resend_after_s),
                 ),
-            )
-        ).all()
+            ],
+        )
     ]
     # The barrier.
     grace = now - timedelta(seconds=barrier_grace_s)
@@ -663,20 +601,25 @@ def sweep_parts(
     recent = exists().where(
         JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts, JobPart.finished_at >= grace
     )
-    ready = session.execute(
-        select(Job.id, Job.attempts).where(
+    ready = repository.job_attempts(
+        session,
+        [
             Job.status == RUNNING,
             Job.stage == FANOUT_STAGE,
-            fanned_out(),
+            repository.fanned_out(),
             ~open_parts,
             ~recent,
-        )
-    ).all()
-    waiting_cancel = session.execute(
-        select(Job.id, Job.attempts).where(
-            Job.status == RUNNING, Job.cancel_requested.is_(True), fanned_out(), ~open_parts
-        )
-    ).all()
+        ],
+    )
+    waiting_cancel = repository.job_attempts(
+        session,
+        [
+            Job.status == RUNNING,
+            Job.cancel_requested.is_(True),
+            repository.fanned_out(),
+            ~open_parts,
+        ],
+    )
     out.assemble = list(dict.fromkeys((str(j), int(a)) for j, a in [*ready, *waiting_cancel]))
     session.rollback()
     return out

@@ -1,5 +1,6 @@
 """Every query of the jobs domain. No business rules here (those live in service.py, and the
-status transition rules in state.py, which runs its reads and writes through this module)."""
+status transition rules in state.py and parts.py, which run their reads and writes through this
+module)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any, cast
 
 from sqlalchemy import (
     CursorResult,
+    ScalarSelect,
     Select,
     and_,
     bindparam,
     delete,
+    exists,
     func,
     or_,
     select,
@@ -23,7 +26,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.sql.elements import ColumnElement
 
-from app.db.models import QUEUED, RUNNING, Artifact, ArtifactFile, Job, JobLayer
+from app.db.models import QUEUED, RUNNING, Artifact, ArtifactFile, Job, JobLayer, JobPart
 
 
 def get_owned(session: Session, api_key_id: str, job_id: str) -> Job | None:
@@ -319,3 +322,118 @@ def storage_waiting(
         .limit(limit)
     )
     return [(str(i), b, u) for i, b, u in session.execute(stmt).all()]
+
+
+def fanned_out() -> ColumnElement[bool]:
+    """Jobs whose current attempt is fanned out: it has job_parts rows (a condition on Job)."""
+    return exists().where(JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts)
+
+
+def holds(session: Session, condition: ColumnElement[bool]) -> bool:
+    """Whether `condition` (an EXISTS) holds now."""
+    return bool(session.scalar(select(condition)))
+
+
+def job_ids(session: Session, conditions: Iterable[ColumnElement[bool]]) -> list[str]:
+    """Ids of the jobs matching `conditions`."""
+    return list(session.execute(select(Job.id).where(*conditions)).scalars().all())
+
+
+def job_attempts(
+    session: Session, conditions: Iterable[ColumnElement[bool]]
+) -> list[tuple[str, int]]:
+    """(id, attempts) of the jobs matching `conditions`."""
+    return [(j, a) for j, a in session.execute(select(Job.id, Job.attempts).where(*conditions))]
+
+
+# ------------------------------------------------- used by parts.py (a fanned-out job's rows)
+
+
+def get_part(session: Session, job_id: str, idx: int, *, fresh: bool = True) -> JobPart | None:
+    """The part row; re-read from the database unless fresh=False (then as this session
+    last saw it)."""
+    if fresh:
+        return session.get(JobPart, (job_id, idx), populate_existing=True)
+    return session.get(JobPart, (job_id, idx))
+
+
+def update_parts(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    conditions: Iterable[ColumnElement[bool]],
+    values: Mapping[str, Any],
+) -> int:
+    """UPDATE job_parts SET values WHERE the row is of the job attempt AND conditions; the
+    number of rows matched."""
+    stmt = (
+        update(JobPart)
+        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt, *conditions)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return int(cast(CursorResult[Any], session.execute(stmt)).rowcount)
+
+
+def compare_and_set_part(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    idx: int,
+    conditions: Iterable[ColumnElement[bool]],
+    values: Mapping[str, Any],
+) -> bool:
+    """UPDATE job_parts SET values WHERE the part is (job_id, attempt, idx) AND conditions;
+    True when the row matched."""
+    return update_parts(session, job_id, attempt, [JobPart.idx == idx, *conditions], values) == 1
+
+
+def replace_parts(session: Session, job_id: str, parts: Iterable[JobPart]) -> None:
+    """Delete every part row of the job (any attempt) and add `parts`."""
+    session.execute(delete(JobPart).where(JobPart.job_id == job_id))
+    session.add_all(parts)
+
+
+def count_parts(session: Session, job_id: str, attempt: int) -> int:
+    n = session.scalar(
+        select(func.count())
+        .select_from(JobPart)
+        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+    )
+    return int(n or 0)
+
+
+def parts_progress(job_id: str, attempt: int) -> ScalarSelect[Any]:
+    """The sum of the attempt's parts' progress_done, as a value to write on the job."""
+    return (
+        select(func.coalesce(func.sum(JobPart.progress_done), 0))
+        .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+        .scalar_subquery()
+    )
+
+
+def parts(session: Session, job_id: str, attempt: int) -> list[JobPart]:
+    """The attempt's part rows by index, re-read from the database."""
+    return list(
+        session.scalars(
+            select(JobPart)
+            .where(JobPart.job_id == job_id, JobPart.job_attempt == attempt)
+            .order_by(JobPart.idx)
+            .execution_options(populate_existing=True)
+        ).all()
+    )
+
+
+def current_parts(
+    session: Session, conditions: Iterable[ColumnElement[bool]]
+) -> list[tuple[str, int, int, int, str | None]]:
+    """(job_id, job_attempt, idx, attempts, worker_id) of the parts of their job's current
+    attempt matching `conditions` (on the part and its job)."""
+    rows = session.execute(
+        select(
+            JobPart.job_id, JobPart.job_attempt, JobPart.idx, JobPart.attempts, JobPart.worker_id
+        )
+        .join(Job, and_(Job.id == JobPart.job_id, Job.attempts == JobPart.job_attempt))
+        .where(*conditions)
+    ).all()
+    return [(j, a, i, n, w) for j, a, i, n, w in rows]

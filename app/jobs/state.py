@@ -18,7 +18,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import exists
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -33,7 +32,6 @@ from app.db.models import (
     ArtifactFile,
     Job,
     JobLayer,
-    JobPart,
 )
 from app.errors import ConflictError, NotFoundError
 from app.jobs import repository
@@ -572,8 +570,7 @@ def requeue_stale(
     cutoff = now - timeout
     # A job fanned out over many workers (job_parts rows of its attempt) is judged part by
     # part instead (app.jobs.parts.sweep_parts).
-    fanned_out = exists().where(JobPart.job_id == Job.id, JobPart.job_attempt == Job.attempts)
-    stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff, ~fanned_out]
+    stale_cond = [Job.status == RUNNING, Job.heartbeat_at < cutoff, ~repository.fanned_out()]
     rows = repository.stale_running(session, stale_cond)
     session.rollback()
     out = StaleSweep()

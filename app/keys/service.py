@@ -89,19 +89,6 @@ class AuthKey:
         return cls(id=row.id, name=row.name, prefix=row.prefix)
 
 
-def parse_bearer(authorization: str | None) -> str:
-    """The key of an `Authorization: Bearer <key>` header, or UnauthorizedError."""
-    if not authorization:
-        raise UnauthorizedError(
-            "missing Authorization header; send 'Authorization: Bearer <api key>'"
-        )
-    scheme, _, key = authorization.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        raise UnauthorizedError("Authorization header must be 'Bearer <api key>'")
-    return key
-
-
 class KeyCache:
     """API keys checked against a small in-process cache.
 
