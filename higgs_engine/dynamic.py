@@ -227,13 +227,20 @@ def obtain_profile(
     is where the model generates its text and runs the Fisher passes: the quantization's
     device, so a GPU job does not profile on the CPU.
     """
-    from higgs_engine.model_structure import embedding_layers, quantizable_layers
+    from higgs_engine.model_structure import (
+        build_meta_model,
+        embedding_layers,
+        load_config,
+        quantizable_layers,
+    )
     from higgs_engine.sources import resolve_source
 
     t0 = time.perf_counter()
     src = resolve_source(source, revision, token)
-    names = quantizable_layers(src.path, skip)
-    emb_names = embedding_layers(src.path)
+    hf_config = load_config(src.path)
+    meta = build_meta_model(hf_config)  # one module tree for both lists
+    names = quantizable_layers(hf_config, skip, model=meta)
+    emb_names = embedding_layers(hf_config, model=meta)
     if embeddings:
         names = [*names, *(n for n in emb_names if n not in names)]
     config = profile_config_for(src.path, config)
@@ -340,13 +347,20 @@ def allocated_layers(path: Path, config: HiggsConfig) -> list[str]:
     """The layers the allocator chooses a grid for: the quantizable linear layers less
     `config.skip`, and with scope "all" the token embedding and an untied output head too (not
     skipped either), so that the budget counts every quantized parameter."""
-    from higgs_engine.model_structure import embedding_layers, is_skipped, quantizable_layers
+    from higgs_engine.model_structure import (
+        build_meta_model,
+        embedding_layers,
+        is_skipped,
+        load_config,
+        quantizable_layers,
+    )
 
-    names = quantizable_layers(path, config.skip)
+    cfg = load_config(Path(path))
+    model = build_meta_model(cfg)  # one module tree for both lists
+    names = quantizable_layers(cfg, config.skip, model=model)
     if config.scope == "all":
-        names += [
-            n for n in embedding_layers(path) if n not in names and not is_skipped(n, config.skip)
-        ]
+        emb = embedding_layers(cfg, model=model)
+        names += [n for n in emb if n not in names and not is_skipped(n, config.skip)]
     return names
 
 

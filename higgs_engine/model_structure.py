@@ -282,32 +282,25 @@ def is_skipped(name: str, skip: Sequence[str]) -> bool:
 
 
 def quantizable_layers(
-    config: PretrainedConfig | Path | str, skip: Sequence[str] = ()
+    config: PretrainedConfig | Path | str,
+    skip: Sequence[str] = (),
+    *,
+    model: nn.Module | None = None,
 ) -> list[str]:
     """Module names of the layers to quantize: every nn.Linear (and GPT-2 Conv1D) except the
-    output head and embeddings, minus those matching a `skip` pattern (fnmatch)."""
+    output head and embeddings, minus those matching a `skip` pattern (fnmatch). `model`: the
+    config's meta model when the caller has built it already."""
     if isinstance(config, str | Path):
         config = load_config(Path(config))
-    return [s.name for s in layer_specs(config) if not is_skipped(s.name, skip)]
+    return [s.name for s in layer_specs(config, model=model) if not is_skipped(s.name, skip)]
 
 
-def embedding_layers(config: PretrainedConfig | Path | str) -> list[str]:
+def embedding_layers(
+    config: PretrainedConfig | Path | str, *, model: nn.Module | None = None
+) -> list[str]:
     """Module names of the token embedding and of the output head when it has its own weight (a
-    head tied to the embedding shares the embedding's weight and is not listed twice)."""
+    head tied to the embedding shares the embedding's weight and is not listed twice): the
+    layers of `embedding_specs`."""
     if isinstance(config, str | Path):
         config = load_config(Path(config))
-    model: Any = build_meta_model(config)
-    names = {id(m): n for n, m in model.named_modules()}
-    out = []
-    emb = model.get_input_embeddings()
-    if emb is not None and id(emb) in names:
-        out.append(names[id(emb)])
-    get_out: Any = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
-    if (
-        head is not None
-        and id(head) in names
-        and (emb is None or getattr(head, "weight", None) is not getattr(emb, "weight", None))
-    ):
-        out.append(names[id(head)])
-    return out
+    return [s.name for s in embedding_specs(config, model=model)]
