@@ -117,6 +117,16 @@ class Stack:
         self.wait_ready(proc, timeout)
         return proc
 
+    def start_serve(self, extra_env: dict[str, str] | None = None, timeout: float = 90) -> Proc:
+        """`higgs serve` (the embedded default: API, worker and broker in one command) on the
+        stack's data folder and a free port, once it answers /readyz."""
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [*HIGGS, "serve", "--data-dir", str(self.data_dir), "--port", str(port)]
+        proc = self.spawn("serve", [*argv, "--grace", "10"], extra_env)
+        self.wait_ready(proc, timeout)
+        return proc
+
     def start_worker(
         self, extra_env: dict[str, str] | None = None, log_level: str = "INFO"
     ) -> Proc:
@@ -142,8 +152,10 @@ class Stack:
         """`alembic upgrade head` on the stack's database (what the compose file's migrate does)."""
         self.run([sys.executable, "-m", "alembic", "upgrade", "head"], timeout=300)
 
-    def create_key(self, name: str = "e2e") -> str:
-        out = self.run([*HIGGS, "keys", "create", name])
+    def create_key(self, name: str = "e2e", data_dir: Path | None = None) -> str:
+        """A new API key (`higgs keys create`, on `data_dir`'s database when given)."""
+        where = ["--data-dir", str(data_dir)] if data_dir is not None else []
+        out = self.run([*HIGGS, "keys", "create", name, *where])
         key = out.stdout.strip().splitlines()[-1].strip()
         assert key and " " not in key, out.stdout
         return key

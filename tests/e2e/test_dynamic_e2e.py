@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from devtools.stack import HIGGS, free_port
+from devtools.stack import HIGGS
 from tests.fixtures import TINY_MODEL as MODEL
 
 pytestmark = pytest.mark.slow
@@ -24,17 +24,8 @@ def test_avg_bits_job_and_plan_on_the_embedded_default(stack_factory: Any, tmp_p
     stack = stack_factory("local")
     stack.env.update({"HIGGS_PROFILE_CONTEXT": "16", "HIGGS_PROFILE_WINDOWS": "1"})
     data = stack.data_dir
-    port = free_port()
-    stack.url = f"http://127.0.0.1:{port}"
-    serve = stack.spawn(
-        "serve", [*HIGGS, "serve", "--data-dir", str(data), "--port", str(port), "--grace", "10"]
-    )
-    stack.wait_ready(serve, timeout=90)
-    key = (
-        stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)])
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    serve = stack.start_serve()
+    key = stack.create_key(data_dir=data)
 
     with stack.client(key) as c:
         r = c.post("/v1/plans", json={"model": {"id": MODEL}, "target": {"avg_bits": 3.5}})

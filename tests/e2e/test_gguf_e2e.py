@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from devtools.stack import HIGGS, free_port
+from devtools.stack import HIGGS
 from tests.fixtures import TINY_TEXT, build_gguf_llama
 
 pytestmark = pytest.mark.slow
@@ -42,17 +42,8 @@ def test_gguf_job_downloads_a_file_llama_cpp_runs(stack_factory: Any, tmp_path: 
         }
     )
     data = stack.data_dir
-    port = free_port()
-    stack.url = f"http://127.0.0.1:{port}"
-    serve = stack.spawn(
-        "serve", [*HIGGS, "serve", "--data-dir", str(data), "--port", str(port), "--grace", "10"]
-    )
-    stack.wait_ready(serve, timeout=90)
-    key = (
-        stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)])
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    serve = stack.start_serve()
+    key = stack.create_key(data_dir=data)
     with stack.client(key) as c:
         # two formats with gguf: refused at submit, naming the field
         r = c.post(

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devtools.stack import HIGGS, Stack, free_port
+from devtools.stack import HIGGS, Stack
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under, make_hub_cache
 
@@ -163,22 +163,11 @@ def test_flow_on_redis_and_postgres(stack_factory: Any, tmp_path: Path) -> None:
 def test_flow_on_the_embedded_default(stack_factory: Any, tmp_path: Path) -> None:
     stack = stack_factory("local")
     data = stack.data_dir
-    port = free_port()
-    stack.url = f"http://127.0.0.1:{port}"
     # The tiny job quantizes in well under the client's 0.5 s poll interval: slow its layers
     # (test-only knob) so that the progress bar is sure to see the quantizing stage.
-    serve = stack.spawn(
-        "serve",
-        [*HIGGS, "serve", "--data-dir", str(data), "--port", str(port), "--grace", "10"],
-        {"HIGGS_DEBUG_LAYER_DELAY_S": "0.15"},
-    )
-    stack.wait_ready(serve, timeout=90)
+    serve = stack.start_serve({"HIGGS_DEBUG_LAYER_DELAY_S": "0.15"})
     assert (data / "higgs.db").is_file() and (data / "broker").is_dir()
-    key = (
-        stack.run([*HIGGS, "keys", "create", "e2e", "--data-dir", str(data)])
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    key = stack.create_key(data_dir=data)
 
     # The client verb with --wait: live progress, then the download.
     out = tmp_path / "submitted"
