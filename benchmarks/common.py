@@ -8,6 +8,8 @@ import json
 import math
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +55,22 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(key)) for key, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def cli_quantize(
+    src: Path, args: Sequence[str], env: dict[str, str], out_root: Path
+) -> tuple[float, dict[str, Any]]:
+    """`higgs quantize SRC --out <new folder under out_root> --quiet ARGS` in a fresh process
+    with `env`: its wall time and its report.json (a failed run stops the benchmark)."""
+    out = out_root / f"out-{time.monotonic_ns()}"
+    higgs = Path(sys.executable).with_name("higgs")
+    cmd = [str(higgs), "quantize", str(src), "--out", str(out), "--quiet", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return wall, json.loads((out / "report.json").read_text())
 
 
 def write_results(

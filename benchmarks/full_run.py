@@ -19,29 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import environment, fmt, markdown_table, write_results
+from benchmarks.common import cli_quantize, environment, fmt, markdown_table, write_results
 from devtools.quality import MINILM_DIR, SMOLLM_DIR
 
 MODELS = {"smollm2": SMOLLM_DIR, "minilm": MINILM_DIR}
-HIGGS = Path(sys.executable).with_name("higgs")
 
 
 def one_run(src: Path, args: list[str], env: dict[str, str], tmp: Path) -> dict[str, Any]:
-    out = tmp / f"out-{time.monotonic_ns()}"
-    cmd = [str(HIGGS), "quantize", str(src), "--out", str(out), "--quiet", *args]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    rep = json.loads((out / "report.json").read_text())
+    wall, rep = cli_quantize(src, args, env, tmp)
     return {
         "args": " ".join(args),
         "wall_s": wall,

@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import environment, markdown_table, write_results
+from benchmarks.common import cli_quantize, environment, markdown_table, write_results
 from devtools.quality import SMOLLM_DIR
 
-HIGGS = Path(sys.executable).with_name("higgs")
 BUSY = (
     "import torch\n"
     "torch.set_num_threads(1)\n"
@@ -52,25 +51,18 @@ def profile_file(dest: Path) -> Path:
 
 
 def one_run(args: list[str], policy: str, busy: bool, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"out-{time.monotonic_ns()}"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": policy}
     load = None
     if busy:
         load = subprocess.Popen([sys.executable, "-c", BUSY], env={**os.environ})
         time.sleep(1.0)  # torch loaded, the core busy
     try:
-        t0 = time.perf_counter()
-        cmd = [str(HIGGS), "quantize", str(SMOLLM_DIR), "--out", str(out), "--quiet", *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
+        wall, rep = cli_quantize(SMOLLM_DIR, args, env, tmp)
     finally:
         if load is not None:
             load.kill()
             load.wait()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
-    timings = json.loads((out / "report.json").read_text())["timings"]
-    return {"wall_s": wall, "quantizing_s": timings.get("quantizing")}
+    return {"wall_s": wall, "quantizing_s": rep["timings"].get("quantizing")}
 
 
 def main() -> int:
