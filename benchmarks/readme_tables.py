@@ -88,6 +88,7 @@ load average), so wall times are noisy; speed ratios come from interleaved runs 
 Rerun a benchmark with `.venv/bin/python -m benchmarks.<script>`, then
 `.venv/bin/python -m benchmarks.readme_tables`. `scripts/gpu_check` runs `gpu_speed.py` (CPU
 versus CUDA timings) on a machine with CUDA; it has no table here until it has run on one.
+What the tables say, target by target, misses included: [docs/benchmarks.md](../docs/benchmarks.md).
 """
 
 

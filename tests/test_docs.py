@@ -1,6 +1,7 @@
-"""The documentation stays true and self-contained: the README's settings table lists exactly
-the service's settings, relative links in the README and docs/ resolve, and nothing in the
-repository points at design notes outside it."""
+"""The documentation stays true and self-contained: the settings tables of docs/settings.md list
+exactly the service's settings, the README links the reference pages and keeps the test command
+CI runs, relative links in the README and docs/ resolve, and nothing in the repository points at
+design notes outside it."""
 
 from __future__ import annotations
 
@@ -18,22 +19,45 @@ DOCS = [
 ]
 
 
-def settings_table_variables(readme: str) -> set[str]:
-    section = readme[readme.index("### Settings") :]
-    section = section[: section.index("\n#", 1)]
-    return set(re.findall(r"^\| `(HIGGS_[A-Z0-9_]+)` \|", section, flags=re.MULTILINE))
+SETTINGS_DOC = ROOT / "docs" / "settings.md"
 
 
-def test_readme_settings_table_lists_every_setting() -> None:
-    documented = settings_table_variables((ROOT / "README.md").read_text())
+def settings_table_variables(text: str) -> list[str]:
+    """The variable of every settings table row (`| `HIGGS_X` | default | what |`), in order,
+    repeats included."""
+    return re.findall(r"^\| `(HIGGS_[A-Z0-9_]+)` \|", text, flags=re.MULTILINE)
+
+
+def test_settings_doc_lists_every_setting_once() -> None:
+    rows = settings_table_variables(SETTINGS_DOC.read_text())
+    documented = set(rows)
     fields = {f"HIGGS_{name.upper()}" for name in Settings.model_fields}
-    assert sorted(fields - documented) == [], "settings missing from the README table"
-    assert sorted(documented - fields) == [], "README table rows that are no setting"
+    assert sorted(fields - documented) == [], "settings missing from docs/settings.md"
+    assert sorted(documented - fields) == [], "docs/settings.md rows that are no setting"
+    assert sorted(v for v in documented if rows.count(v) > 1) == [], "settings with two rows"
 
 
 def test_settings_table_parser_sees_rows() -> None:
-    text = "### Settings\n\n| variable | default |\n|---|---|\n| `HIGGS_A_B` | `1` |\n\n## Next\n"
-    assert settings_table_variables(text) == {"HIGGS_A_B"}
+    text = (
+        "## Store\n\n| variable | default |\n|---|---|\n| `HIGGS_A_B` | `1` |\n\n"
+        "Prose naming `HIGGS_C`.\n\n## Next\n\n| `HIGGS_D` | unset |\n| `HIGGS_A_B` | `2` |\n"
+    )
+    assert settings_table_variables(text) == ["HIGGS_A_B", "HIGGS_D", "HIGGS_A_B"]
+
+
+def test_readme_links_the_reference_pages_and_keeps_no_settings_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    pages = ("settings", "benchmarks", "api", "cli", "architecture", "algorithm")
+    for page in (f"docs/{name}.md" for name in pages):
+        assert f"]({page}" in readme, page
+    assert settings_table_variables(readme) == [], "the settings table lives in docs/settings.md"
+
+
+def test_readme_gives_the_test_command_ci_runs() -> None:
+    # .ci/run runs the README's test command; both must name the same one.
+    command = re.findall(r"^exec (\S+)$", (ROOT / ".ci" / "run").read_text(), flags=re.MULTILINE)
+    assert command == ["./scripts/test"]
+    assert re.search(r"^\./scripts/test +#", (ROOT / "README.md").read_text(), flags=re.MULTILINE)
 
 
 def test_relative_links_resolve() -> None:
@@ -48,7 +72,7 @@ def test_relative_links_resolve() -> None:
 
 
 def test_docs_exist() -> None:
-    for name in ("api.md", "algorithm.md", "architecture.md"):
+    for name in ("api.md", "algorithm.md", "architecture.md", "settings.md", "benchmarks.md"):
         assert (ROOT / "docs" / name).stat().st_size > 1000, name
 
 
