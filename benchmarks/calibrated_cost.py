@@ -81,19 +81,19 @@ def _calibration(model: str, tokens: int) -> Any:
 def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
     import torch
 
-    from higgs_engine.baselines import rtn_quantize
     from higgs_engine.calibration import run_calibrated
-    from higgs_engine.gptq import gptq_rtn
+    from higgs_engine.methods import METHODS, Target
     from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.safetensors_stream import CheckpointReader
 
     count = 0
+    int4 = Target(bits=4, group_size=128)
 
     def quantize(group: list[Any], ws: list[torch.Tensor], h: torch.Tensor) -> list[torch.Tensor]:
         nonlocal count
-        w_hat, _ = gptq_rtn(torch.cat(ws, 0), h, 4, 128)
+        res = METHODS["gptq-int4"].quantize_many(ws, int4, hessian=h)
         count += len(ws)
-        return [p.contiguous() for p in w_hat.split([int(w.shape[0]) for w in ws], 0)]
+        return [r.w_hat for r in res]
 
     cfg = load_config(model_dir)
     with CheckpointReader(model_dir) as reader:
@@ -101,12 +101,12 @@ def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
         outside = run_calibrated(model_dir, cfg, reader, specs, calibration, quantize)
         for name in outside:  # outside the blocks (a pooler): plain RTN, as the quality bench
             spec = next(s for s in specs if s.name == name)
-            rtn_quantize(spec.weight(reader), 4, 128)
+            METHODS["rtn"].quantize(spec.weight(reader), int4)
     return {"layers": count + len(outside), "layers_without_data": outside}
 
 
 def _rtn4(model_dir: Path) -> dict[str, Any]:
-    from higgs_engine.baselines import rtn_quantize
+    from higgs_engine.methods import METHODS, Target
     from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.safetensors_stream import CheckpointReader
 
@@ -114,7 +114,7 @@ def _rtn4(model_dir: Path) -> dict[str, Any]:
     with CheckpointReader(model_dir) as reader:
         specs = layer_specs(cfg, reader.keys())
         for spec in specs:
-            rtn_quantize(spec.weight(reader), 4, 128)
+            METHODS["rtn"].quantize(spec.weight(reader), Target(bits=4, group_size=128))
     return {"layers": len(specs)}
 
 

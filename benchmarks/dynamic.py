@@ -56,10 +56,10 @@ from higgs_engine.profile import compute_profile
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:
     """bitsandbytes-style NF4, blocks of 64, absmax double-quantized (about 4.13 bits)."""
-    from higgs_engine.baselines import nf4_quantize
+    from higgs_engine.methods import METHODS, Target
 
-    w_hat, bits = nf4_quantize(w, block_size=64, double_quant=True)
-    return w_hat, float(bits)
+    res = METHODS["nf4-dq"].quantize(w, Target(group_size=64))
+    return res.w_hat, res.bits
 
 
 def spearman(a: list[float], b: list[float]) -> float:

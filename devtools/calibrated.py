@@ -81,31 +81,30 @@ class _Lazy:
 def gptq_int4_method(model_dir: Path, data: CalibrationData) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
         from higgs_engine.calibration import run_calibrated
-        from higgs_engine.gptq import gptq_rtn
+        from higgs_engine.methods import METHODS, Target
         from higgs_engine.model_structure import layer_specs, load_config
         from higgs_engine.safetensors_stream import CheckpointReader
 
         out: dict[str, tuple[torch.Tensor, float]] = {}
+        int4 = Target(bits=4, group_size=128)
 
         def quantize(
             group: list[Any], ws: list[torch.Tensor], h: torch.Tensor
         ) -> list[torch.Tensor]:
             # Layers sharing an input are swept together: rows never interact in GPTQ.
-            w_hat, bits = gptq_rtn(torch.cat(ws, 0), h, 4, 128)
-            res = [p.contiguous() for p in w_hat.split([int(w.shape[0]) for w in ws], 0)]
-            for spec, part in zip(group, res, strict=True):
-                out[spec.name] = (part, bits)
-            return res
+            res = METHODS["gptq-int4"].quantize_many(ws, int4, hessian=h)
+            for spec, r in zip(group, res, strict=True):
+                out[spec.name] = (r.w_hat, r.bits)
+            return [r.w_hat for r in res]
 
         cfg = load_config(model_dir)
         with CheckpointReader(model_dir) as reader:
             specs = layer_specs(cfg, reader.keys())
             outside = run_calibrated(model_dir, cfg, reader, specs, data.calibration, quantize)
             for name in outside:  # outside the blocks (a pooler): plain RTN, said in params
-                from higgs_engine.baselines import rtn_quantize
-
                 spec = next(s for s in specs if s.name == name)
-                out[name] = rtn_quantize(spec.weight(reader), 4, 128)
+                r = METHODS["rtn"].quantize(spec.weight(reader), int4)
+                out[name] = (r.w_hat, r.bits)
         return out
 
     return Method(

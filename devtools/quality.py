@@ -125,20 +125,20 @@ def higgs_default_fn(
 
 def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.baselines import rtn_quantize
+        from higgs_engine.methods import METHODS, Target
 
-        w_hat, bpw = rtn_quantize(w, bits, group_size=group_size)
-        return w_hat, float(bpw)
+        res = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=group_size))
+        return res.w_hat, res.bits
 
     return run
 
 
 def nf4_fn(block_size: int = 64) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.baselines import nf4_quantize
+        from higgs_engine.methods import METHODS, Target
 
-        w_hat, bpw = nf4_quantize(w, block_size=block_size)
-        return w_hat, float(bpw)
+        res = METHODS["nf4"].quantize(w, Target(group_size=block_size))
+        return res.w_hat, res.bits
 
     return run
 
@@ -147,10 +147,10 @@ def nf4_dq_fn(block_size: int = 64) -> QuantFn:
     """NF4 with the absmax constants double-quantized (bitsandbytes' bnb_4bit_use_double_quant)."""
 
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.baselines import nf4_quantize
+        from higgs_engine.methods import METHODS, Target
 
-        w_hat, bpw = nf4_quantize(w, block_size=block_size, double_quant=True)
-        return w_hat, float(bpw)
+        res = METHODS["nf4-dq"].quantize(w, Target(group_size=block_size))
+        return res.w_hat, res.bits
 
     return run
 

@@ -15,7 +15,9 @@ dequantized/
   config.json, tokenizer files
 
 Both safetensors files are written by a streaming writer (one tensor in memory at a time) with
-tensors ordered by name, so the same content always gives the same bytes.
+tensors ordered by name, so the same content always gives the same bytes. Each format is a
+FormatWriter of higgs_engine.formats; ArtifactWriter fans a run's tensors out to the formats
+its config names.
 
 A sharded source (a model.safetensors.index.json) gives sharded artifacts instead, assembled
 from parts (higgs_engine.parts): model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -24,15 +26,30 @@ in each format, as transformers writes large models; load_model / load_native re
 
 from __future__ import annotations
 
-import contextlib
-import json
+import math
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.errors import (
+    CorruptCheckpointError,
+    InvalidConfigError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from higgs_engine.formats import FormatWriter, format_writer
+from higgs_engine.formats.base import ST_METADATA as _ST_METADATA
+from higgs_engine.formats.base import WEIGHTS_NAME, torch_dtype, write_configs
+from higgs_engine.formats.base import read_config_json as _raw_config
+from higgs_engine.formats.base import write_json as _write_json
+from higgs_engine.formats.native import (
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    grid_key,
+    quantization_config,
+)
 from higgs_engine.model_loading import model_key, params_on_meta
 from higgs_engine.model_structure import (
     LayerSpec,
@@ -53,86 +70,26 @@ if TYPE_CHECKING:
 
     from higgs_engine.quantize import QuantizedMatrix
 
-QUANT_METHOD = "higgs"
-FORMAT_VERSION = 1
-WEIGHTS_NAME = "model.safetensors"
-_ST_METADATA = {"format": "pt"}
-
-
-def grid_key(p: int, n: int) -> str:
-    return f"higgs.grid.p{p}.n{n}"
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-    if name not in table:
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in an artifact config")
-    return table[name]
-
-
-def _raw_config(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except FileNotFoundError as exc:
-        raise ModelNotFoundError(f"no config.json in {str(path)!r}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(
-            f"{str(path / 'config.json')!r} is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError(f"{str(path / 'config.json')!r} is not a JSON object")
-    return raw
-
-
-def _with_dtype(raw: dict[str, Any], dtype: str) -> dict[str, Any]:
-    out = {k: v for k, v in raw.items() if k != "quantization_config"}
-    out["dtype"] = dtype
-    if "torch_dtype" in out:
-        out["torch_dtype"] = dtype
-    return out
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+__all__ = [
+    "FORMAT_VERSION",
+    "QUANT_METHOD",
+    "WEIGHTS_NAME",
+    "ArtifactWriter",
+    "artifact_kind",
+    "find_model_dir",
+    "grid_key",
+    "load_model",
+    "load_native",
+    "quantization_config",
+    "save_native",
+    "torch_dtype",
+    "write_configs",
+]
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-
-
-def quantization_config(
-    dtype: str,
-    engine_config: dict[str, Any],
-    grids: Iterable[tuple[int, int]],
-    layers: dict[str, dict[str, Any]],
-    kept: Iterable[str],
-) -> dict[str, Any]:
-    """The native config.json's "quantization_config" entry."""
-    return {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "dtype": dtype,
-        "engine_config": engine_config,
-        "grids": {f"p{p}n{n}": grid_key(p, n) for (p, n) in sorted(grids)},
-        "layers": layers,
-        "modules_to_not_convert": sorted(kept),
-    }
-
-
-def write_configs(
-    fmt_dir: Path, source_dir: Path, dtype: str, quant_config: dict[str, Any] | None
-) -> None:
-    """config.json (the source's, with `dtype` and, for native, `quant_config`) and the
-    source's tokenizer files into one format directory."""
-    cfg = _with_dtype(_raw_config(source_dir), dtype)
-    if quant_config is not None:
-        cfg["quantization_config"] = quant_config
-    _write_json(fmt_dir / "config.json", cfg)
-    for f in tokenizer_files(source_dir):
-        shutil.copy2(f, fmt_dir / f.name)
 
 
 @dataclass
@@ -143,10 +100,13 @@ class _Entry:
 
 @dataclass
 class ArtifactWriter:
-    """Streams a quantized checkpoint into `root/native` and/or `root/dequantized`.
+    """Streams a quantized checkpoint into `root/<format>` for every format in `formats`: the
+    format-agnostic fan-out over the writers of higgs_engine.formats.FORMATS.
 
     Call `add_plain` for every tensor that is not quantized (cast to `dtype` when floating),
-    `add_quantized` for every quantized layer, then `finish()` (or `abort()`).
+    `add_quantized` for every quantized layer, then `finish()` (or `abort()`). The writer keeps
+    the run's record (layers, grids, layers kept 16-bit, the native artifact's bytes) whichever
+    formats are written.
     """
 
     root: Path
@@ -157,17 +117,15 @@ class ArtifactWriter:
     native_bytes: int = 0  # tensor bytes of the native artifact, whether or not it is written
     # False for one part of a sharded run: the grids go to a shard of their own at assembly.
     grids_in_native: bool = True
-    _writers: dict[str, StreamingSafetensorsWriter] = field(default_factory=dict)
+    _writers: dict[str, FormatWriter] = field(default_factory=dict)
     _layers: dict[str, _Entry] = field(default_factory=dict)
     _grids: dict[tuple[int, int], int] = field(default_factory=dict)  # (p, n) -> bytes
     _kept: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for fmt in self.formats:
-            (self.root / fmt).mkdir(parents=True, exist_ok=False)
-            self._writers[fmt] = StreamingSafetensorsWriter(
-                self.root / fmt / WEIGHTS_NAME, _ST_METADATA
-            )
+        classes = [format_writer(fmt) for fmt in self.formats]
+        for fmt, cls in zip(self.formats, classes, strict=True):
+            self._writers[fmt] = cls(self.root / fmt, self.dtype, self.source_dir)
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(torch_dtype(self.dtype)) if t.is_floating_point() else t
@@ -176,7 +134,7 @@ class ArtifactWriter:
         """Write a non-quantized tensor to every format; returns its bytes in the artifact."""
         t = self._cast(tensor)
         for w in self._writers.values():
-            w.add(key, t)
+            w.add_plain(key, t)
         nbytes = t.numel() * t.element_size()
         self.native_bytes += nbytes
         return nbytes
@@ -185,30 +143,48 @@ class ArtifactWriter:
         """Record that linear layer `name` stays 16-bit (its weight goes through add_plain)."""
         self._kept.append(name)
 
-    def add_quantized(self, spec: LayerSpec, q: QuantizedMatrix, w_hat: torch.Tensor) -> int:
-        """Write one quantized layer: codes etc. to native, W_hat (out, in) to dequantized.
+    def add_quantized(
+        self,
+        spec: LayerSpec,
+        q: QuantizedMatrix | None,
+        w_hat: torch.Tensor,
+        bits: float | None = None,
+    ) -> int:
+        """Write one quantized layer to every format: its native encoding `q` and W_hat
+        (out, in) float32. Returns the layer's bytes in the native artifact (its grid is
+        counted once, apart).
 
-        Returns the layer's bytes in the native artifact (its grid is counted once, apart).
+        A method without a native encoding gives q=None and its `bits` per weight: the layer
+        counts bits * numel / 8 bytes (rounded up), and only formats that need no codes (not
+        `native`) can take it.
         """
         import torch
 
         from higgs_engine.grids import get_grid
 
+        if q is None:
+            if bits is None:
+                raise InvalidConfigError(
+                    f"layer {spec.name!r} has no native encoding and no bits per weight"
+                )
+            for w in self._writers.values():
+                w.add_quantized(spec, None, w_hat)
+            nbytes = math.ceil(bits * spec.numel / 8)
+            self.native_bytes += nbytes
+            return nbytes
         tensors = q.to_tensors()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if "native" in self._writers:
-            for tname, t in tensors.items():
-                self._writers["native"].add(f"{spec.name}.higgs.{tname}", t)
+        for w in self._writers.values():
+            w.add_quantized(spec, q, w_hat)
         gk = (int(q.p), int(q.n))
         if gk not in self._grids:
             grid = get_grid(*gk).to(torch.float32).contiguous()
             self._grids[gk] = grid.numel() * grid.element_size()
-            if "native" in self._writers and self.grids_in_native:
-                self._writers["native"].add(grid_key(*gk), grid)
+            if self.grids_in_native:
+                for w in self._writers.values():
+                    if w.carries_grids:
+                        w.add_plain(grid_key(*gk), grid)
             self.native_bytes += self._grids[gk]
-        if "dequantized" in self._writers:
-            w = w_hat.t() if spec.transposed else w_hat  # Conv1D stores (in, out)
-            self._writers["dequantized"].add(spec.key, self._cast(w.contiguous()))
         self._layers[spec.name] = _Entry(spec, q.meta())
         self.native_bytes += nbytes
         return nbytes
@@ -241,7 +217,7 @@ class ArtifactWriter:
 
     def tensor_names(self, fmt: str) -> list[str]:
         """Names of the tensors written to format `fmt`, sorted (the file's order)."""
-        return sorted(self._writers[fmt].names())
+        return self._writers[fmt].tensor_names()
 
     def quantization_config(self) -> dict[str, Any]:
         return quantization_config(
@@ -251,18 +227,13 @@ class ArtifactWriter:
     def finish_part(self) -> dict[str, int]:
         """Close the weight files of one part of a sharded run (no configs, no tokenizer files:
         the assembly writes those). Returns each format's tensor bytes."""
-        out = {}
-        for fmt, w in self._writers.items():
-            out[fmt] = w.nbytes
-            w.close()
-        return out
+        return {fmt: w.finish_part() for fmt, w in self._writers.items()}
 
     def finish(self) -> dict[str, dict[str, int]]:
         """Close the weight files and write configs + tokenizer files. Returns file sizes."""
-        for fmt, w in self._writers.items():
-            w.close()
-            qc = self.quantization_config() if fmt == "native" else None
-            write_configs(self.root / fmt, self.source_dir, self.dtype, qc)
+        qc = self.quantization_config()
+        for w in self._writers.values():
+            w.finish(qc)
         return {
             fmt: {p.name: p.stat().st_size for p in sorted((self.root / fmt).iterdir())}
             for fmt in self._writers
@@ -270,8 +241,7 @@ class ArtifactWriter:
 
     def abort(self) -> None:
         for w in self._writers.values():
-            with contextlib.suppress(OSError):
-                w.abort()
+            w.abort()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
+from higgs_engine.formats import format_writer
 from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -106,9 +107,9 @@ def shard_name(i: int, n: int) -> str:
 
 
 def shard_counts(n_parts: int, formats: Sequence[str], with_grids: bool) -> dict[str, int]:
-    """Shards per format of an artifact assembled from n_parts parts (native: one more for
-    the grids when any layer is quantized)."""
-    return {fmt: n_parts + 1 if fmt == "native" and with_grids else n_parts for fmt in formats}
+    """Shards per format of an artifact assembled from n_parts parts, as each format's writer
+    says (native: one more for the grids when any layer is quantized)."""
+    return {fmt: format_writer(fmt).shard_count(n_parts, with_grids) for fmt in formats}
 
 
 def part_shard_files(
@@ -356,7 +357,7 @@ def assemble_metadata(
     where the artifact is published). `source` needs only config.json, the shard index and
     the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
     seconds) and its `files` every file of each format, the parts' shards included."""
-    from higgs_engine.artifacts import quantization_config, write_configs
+    from higgs_engine.formats.native import quantization_config
     from higgs_engine.sources import ResolvedSource
 
     t0 = time.perf_counter()
@@ -395,12 +396,8 @@ def assemble_metadata(
             _write_index(fmt_dir, weight_map, total_size)
             layers = {k: v for m in ordered for k, v in m["layers"].items()}
             kept = [k for m in ordered for k in m["kept"]]
-            qc = (
-                quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
-                if fmt == "native"
-                else None
-            )
-            write_configs(fmt_dir, source, config.dtype, qc)
+            qc = quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
+            format_writer(fmt).write_configs(fmt_dir, source, config.dtype, qc)
             sizes.update({p.name: p.stat().st_size for p in fmt_dir.iterdir()})
             files[fmt] = dict(sorted(sizes.items()))
         if not grid_bytes and grids:
@@ -485,7 +482,7 @@ def _write_grid_shard(path: Path, grids: Sequence[tuple[int, int]]) -> tuple[int
     """The native artifact's last shard: one float32 (n, p) tensor per grid any part used."""
     import torch
 
-    from higgs_engine.artifacts import grid_key
+    from higgs_engine.formats.native import grid_key
     from higgs_engine.grids import get_grid
 
     writer = StreamingSafetensorsWriter(path, {"format": "pt"})

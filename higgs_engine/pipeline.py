@@ -61,7 +61,8 @@ def calibrate_layers(
     entry). Layers the pass cannot reach (outside the transformer blocks) are left out of the
     dict: the pipeline quantizes them without data and the entry lists them."""
     from higgs_engine.calibration import run_calibrated
-    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_higgs_many
+    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
+    from higgs_engine.methods import METHODS, Target
 
     # The token embedding and an output head (scope "all") are quantized without data.
     todo = [pl for pl in todo if pl.spec.role == "linear"]
@@ -77,19 +78,13 @@ def calibrate_layers(
         w_hats: dict[str, torch.Tensor] = {}
         for grid in dict.fromkeys(grids[s.name] for s in group):
             idx = [i for i, s in enumerate(group) if grids[s.name] == grid]
-            res = gptq_higgs_many(
-                [ws[i] for i in idx],
-                hessian,
-                grid[0],
-                grid[1],
-                group_size=config.group_size,
-                rotation_block=config.rotation_block,
-                sign_seed=config.sign_seed,
-                scale_rule=config.scale_rule,
+            res = METHODS["higgs-gptq"].quantize_many(
+                [ws[i] for i in idx], Target(grid=grid), config, hessian=hessian
             )
-            for i, (q, w_hat) in zip(idx, res, strict=True):
-                out[group[i].name] = q
-                w_hats[group[i].name] = w_hat
+            for i, r in zip(idx, res, strict=True):
+                assert r.quantized is not None
+                out[group[i].name] = r.quantized
+                w_hats[group[i].name] = r.w_hat
         return [w_hats[s.name] for s in group]
 
     outside = run_calibrated(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.methods import METHODS, Target, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -52,21 +53,12 @@ def quantize_layer_full(
     device: torch.device | str | None = None,
 ) -> tuple[QuantizedMatrix, torch.Tensor, float]:
     """Quantize one (out, in) float32 weight with grid (p, n) on `device` (default CPU):
-    (q, W_hat float32 on the CPU, t^2)."""
-    from higgs_engine.quantize import quantize_matrix_full, relative_error
+    (q, W_hat float32 on the CPU, t^2). Data-free HIGGS, METHODS["higgs"]."""
+    from higgs_engine.quantize import relative_error
 
-    q, w_hat = quantize_matrix_full(
-        w,
-        p,
-        n,
-        group_size=config.group_size,
-        rotation_block=config.rotation_block,
-        sign_seed=config.sign_seed,
-        device=device,
-        scale_rule=config.scale_rule,
-    )
-    assert w_hat is not None
-    return q, w_hat, float(relative_error(w, w_hat))
+    res = METHODS["higgs"].quantize(w, Target(grid=(p, n)), config, device=device)
+    assert res.quantized is not None
+    return res.quantized, res.w_hat, float(relative_error(w, res.w_hat))
 
 
 def quantize_layer(
@@ -133,6 +125,8 @@ class RunContext:
     local_files_only: bool
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)
+    # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer.
+    method: str = "higgs"
 
 
 @dataclass
@@ -186,20 +180,23 @@ def _quantize_one(
     calibrated: dict[str, QuantizedMatrix],
 ) -> LayerReport:
     """One planned layer: quantized with its (p, n) grid (or calibrated), written, its row."""
+    from higgs_engine.quantize import dequantize_matrix, relative_error
+
     p, n = grid
     w = spec.weight(reader)  # (out, in) float32
+    q: QuantizedMatrix | None
     if spec.name in calibrated:
-        from higgs_engine.quantize import dequantize_matrix, relative_error
-
         q = calibrated.pop(spec.name)
         w_hat = dequantize_matrix(q)
-        err = float(relative_error(w, w_hat))
+        bits = float(q.bits_per_weight())
     else:
-        q, w_hat, err = quantize_layer_full(w, p, n, ctx.config, ctx.device)
+        res = method(ctx.method).quantize(w, Target(grid=grid), ctx.config, device=ctx.device)
+        q, w_hat, bits = res.quantized, res.w_hat, res.bits
+    err = float(relative_error(w, w_hat))
     del w
-    nbytes = writer.add_quantized(spec, q, w_hat)
+    nbytes = writer.add_quantized(spec, q, w_hat, bits)
     del w_hat
-    return _layer_row(spec, p, n, float(q.bits_per_weight()), err, nbytes)
+    return _layer_row(spec, p, n, bits, err, nbytes)
 
 
 def _layer_row(
