@@ -1,29 +1,25 @@
 """One job attempt's bookkeeping, shared by the runner (worker.runner) and the fan-out
 (worker.fanout): the claim (compare-and-set queued -> running) and the claimed record, the
-progress writer and its heartbeats, the attempt's outcome, and how a failure or a stop is
-recorded. Every database write is retried through an outage (worker.dbretry)."""
+attempt's outcome, and how a failure or a stop is recorded (its progress and heartbeats:
+worker.progress). Every database write is retried through an outage (worker.dbretry)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.models import CANCELLED, FAILED, RUNNING, Job
 from app.jobs import state
 from higgs_engine.errors import HiggsError
 from worker.config import RunnerConfig
-from worker.dbretry import DatabaseUnavailableError, retry_db
+from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.messages import message_roots, public_message
+from worker.progress import ProgressWriter
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")
@@ -39,8 +35,6 @@ ENGINE_CODES = frozenset(
         "profile_not_found",
     }
 )
-
-SessionFactory = sessionmaker[Session]
 
 
 def job_error_code(exc: BaseException) -> str:
@@ -62,100 +56,6 @@ def worker_id_of(pid: int) -> str:
 
 def default_worker_id() -> str:
     return worker_id_of(os.getpid())
-
-
-# ---------------------------------------------------------------- progress + heartbeat
-
-
-class ProgressWriter:
-    """The engine's progress callback: writes stage/done/total (and so the heartbeat) to the
-    job row, at most every `min_interval` seconds within a stage, and returns False once the
-    job should stop (cancel requested, or this worker no longer owns the job)."""
-
-    def __init__(
-        self,
-        sessions: SessionFactory,
-        job_id: str,
-        worker_id: str,
-        *,
-        min_interval: float = 0.5,
-        layer_delay: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        db_retry_s: float = 300.0,
-    ) -> None:
-        self.sessions = sessions
-        self.db_retry_s = db_retry_s
-        self.job_id = job_id
-        self.worker_id = worker_id
-        self.min_interval = min_interval
-        self.layer_delay = layer_delay
-        self.clock = clock
-        self.sleep = sleep
-        self.stop = threading.Event()
-        self.last: tuple[str, int, int] = ("", 0, 0)
-        self._last_write = -1e18
-        self._lock = threading.Lock()
-
-    def write(self, stage: str, done: int, total: int) -> bool:
-        def once() -> bool:
-            with self.sessions() as s:
-                return state.record_progress(
-                    s, self.job_id, stage, done, total, worker_id=self.worker_id
-                )
-
-        # Through a database outage the engine waits here (retrying), then goes on.
-        with self._lock:
-            go = retry_db(once, f"progress of job {self.job_id}", self.db_retry_s)
-        self._last_write = self.clock()
-        if not go:
-            self.stop.set()
-        return go
-
-    def __call__(self, stage: str, done: int, total: int) -> bool:
-        if self.stop.is_set():
-            return False
-        changed = stage != self.last[0]
-        self.last = (stage, done, total)
-        due = self.clock() - self._last_write >= self.min_interval
-        if (changed or due or done >= total) and not self.write(stage, done, total):
-            return False
-        if self.layer_delay and stage in ("quantizing", "profiling") and done > 0:
-            self.sleep(self.layer_delay)
-        return not self.stop.is_set()
-
-    def beat(self) -> None:
-        """A heartbeat between progress calls (long loads, long layers)."""
-
-        def once() -> bool:
-            with self.sessions() as s:
-                return state.heartbeat(s, self.job_id, worker_id=self.worker_id)
-
-        with self._lock:
-            go = retry_db(once, f"heartbeat of job {self.job_id}", self.db_retry_s)
-        if not go:
-            self.stop.set()
-
-
-@contextlib.contextmanager
-def heartbeating(writer: ProgressWriter, interval: float) -> Iterator[None]:
-    """Run writer.beat() every `interval` seconds in a daemon thread while the block runs."""
-    done = threading.Event()
-
-    def loop() -> None:
-        while not done.wait(interval):
-            try:
-                writer.beat()
-            except Exception as e:  # a missed beat is not fatal; the next one may work
-                log.warning("heartbeat for job %s failed: %s", writer.job_id, e)
-
-    t = threading.Thread(target=loop, name=f"heartbeat-{writer.job_id}", daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        done.set()
-        t.join(timeout=5)
 
 
 # ---------------------------------------------------------------- the attempt

@@ -24,8 +24,9 @@ from app.db.models import SUCCEEDED
 from app.jobs import state
 from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import CancelledError, HiggsError
-from worker.attempt import Attempt, ProgressWriter, ours_now
+from worker.attempt import Attempt, ours_now
 from worker.dbretry import retry_db
+from worker.progress import ProgressWriter
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")

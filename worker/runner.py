@@ -32,19 +32,17 @@ from worker.attempt import (
     Attempt,
     Dispatch,
     Outcome,
-    ProgressWriter,
-    SessionFactory,
     claim_job,
     default_worker_id,
     fail_job,
-    heartbeating,
     stop_job,
 )
 from worker.config import RunnerConfig
-from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
+from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full, storage_error_text, volume_free
+from worker.progress import ProgressWriter, heartbeating
 from worker.publish import (
     clear_stale_staging,
     publish_result,
