@@ -1,10 +1,12 @@
 """One job attempt's bookkeeping, shared by the runner (worker.runner) and the fan-out
 (worker.fanout): the claim (compare-and-set queued -> running) and the claimed record, the
-attempt's outcome, and how a failure or a stop is recorded (its progress and heartbeats:
-worker.progress). Every database write is retried through an outage (worker.dbretry)."""
+attempt's outcome, and how a failure, a stop or the success is recorded (its progress and
+heartbeats: worker.progress; its files: worker.publish). Every database write is retried
+through an outage (worker.dbretry)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -13,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.db.models import CANCELLED, FAILED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
+from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import HiggsError
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
@@ -194,3 +197,40 @@ def stop_job(
         "job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status
     )
     return Outcome("lost", why)
+
+
+def record_success(
+    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
+) -> None:
+    """The job succeeded with its report, layer and artifact rows: one transaction (retried
+    while the database is away; a retry after a commit whose reply was lost is no error)."""
+    sessions, job_id, worker_id, cfg = (
+        attempt.sessions,
+        attempt.job_id,
+        attempt.worker_id,
+        attempt.cfg,
+    )
+    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+    tries = 0
+
+    def record() -> None:
+        nonlocal tries
+        tries += 1
+        try:
+            with sessions() as s:
+                state.succeed(
+                    s,
+                    job_id,
+                    report_dict,
+                    None,
+                    rows,
+                    worker_id=worker_id,
+                    model_revision=model_revision,
+                )
+        except state.IllegalTransitionError:
+            # A retry after a commit whose reply was lost finds the job already ours.
+            if tries > 1 and ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
+                return
+            raise
+
+    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)

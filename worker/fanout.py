@@ -58,6 +58,7 @@ from worker.attempt import (
     fail_job,
     job_error_code,
     job_snapshot,
+    record_success,
 )
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
@@ -66,7 +67,6 @@ from worker.progress import PartProgress, ProgressWriter, heartbeating
 from worker.publish import (
     clear_stale_staging,
     drop_other_attempts,
-    record_success,
     remove_tree,
     staging_dir,
 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -20,12 +19,9 @@ from typing import Any
 
 from app.artifacts.manifest import artifact_rows as manifest_rows
 from app.artifacts.store import ArtifactStore, StoreUnavailableError, UploadFile, join_uri
-from app.db.models import SUCCEEDED
-from app.jobs import state
 from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import CancelledError, HiggsError
-from worker.attempt import Attempt, ours_now
-from worker.dbretry import retry_db
+from worker.attempt import Attempt, record_success
 from worker.progress import ProgressWriter
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
@@ -153,43 +149,6 @@ def publish_result(
         raise
     drop_other_attempts(attempt, uri, final)
     return final
-
-
-def record_success(
-    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
-) -> None:
-    """The job succeeded with its report, layer and artifact rows: one transaction (retried
-    while the database is away; a retry after a commit whose reply was lost is no error)."""
-    sessions, job_id, worker_id, cfg = (
-        attempt.sessions,
-        attempt.job_id,
-        attempt.worker_id,
-        attempt.cfg,
-    )
-    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
-    tries = 0
-
-    def record() -> None:
-        nonlocal tries
-        tries += 1
-        try:
-            with sessions() as s:
-                state.succeed(
-                    s,
-                    job_id,
-                    report_dict,
-                    None,
-                    rows,
-                    worker_id=worker_id,
-                    model_revision=model_revision,
-                )
-        except state.IllegalTransitionError:
-            # A retry after a commit whose reply was lost finds the job already ours.
-            if tries > 1 and ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
-                return
-            raise
-
-    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
 
 
 def drop_other_attempts(attempt: Attempt, uri: str, final: Path) -> None:
