@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
@@ -64,9 +64,22 @@ def default_worker_id() -> str:
 # ---------------------------------------------------------------- the attempt
 
 
+# How an attempt (of a job, a part or an assembly) ended; what the Celery tasks return.
+OutcomeStatus = Literal[
+    "succeeded",  # published (a job or an assembly), or a part's shards stored
+    "failed",  # the job failed with an error code (detail: "code: message")
+    "cancelled",  # the user's cancel was recorded
+    "lost",  # this worker no longer owns the work, or the database stayed away
+    "skipped",  # nothing to claim (a duplicate delivery, finished, or not all parts done)
+    "fanned_out",  # the job's parts were recorded and dispatched (worker.fanout)
+    "storage_full",  # the artifacts volume is full: the job waits in the queue
+    "storage_unavailable",  # the artifact store cannot be used: back in the queue
+]
+
+
 @dataclass
 class Outcome:
-    status: str  # "skipped", "succeeded", "failed", "cancelled", "lost", "storage_full"
+    status: OutcomeStatus
     detail: str = ""
 
 

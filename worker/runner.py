@@ -210,7 +210,7 @@ def _wait_for_store(
         return Outcome("lost", str(e))
     if not requeued:
         return stop_job(sessions, job_id, worker_id, "artifact store unavailable", cfg.db_retry_s)
-    return Outcome(state.STORAGE_UNAVAILABLE, message)
+    return Outcome("storage_unavailable", message)
 
 
 def _run_attempt(attempt: Attempt) -> Path | None:
