@@ -41,7 +41,7 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
-from worker.messages import is_storage_full, storage_error_text, volume_free
+from worker.messages import is_storage_full
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import (
     clear_stale_staging,
@@ -50,6 +50,7 @@ from worker.publish import (
     remove_tree,
     staging_dir,
 )
+from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
 log = logging.getLogger("worker.runner")
 
@@ -121,96 +122,14 @@ def run_job(
             return Outcome("lost", str(exc))
         if isinstance(exc, StoreUnavailableError):
             remove_tree(staging)
-            return _wait_for_store(sessions, job_id, worker_id, cfg, exc)
+            return wait_for_store(sessions, job_id, worker_id, cfg, exc)
         if is_storage_full(exc):
             remove_tree(staging)
-            return _wait_for_storage(sessions, job_id, worker_id, cfg, exc)
+            return wait_for_storage(sessions, job_id, worker_id, cfg, exc)
         return fail_job(sessions, job_id, worker_id, cfg, exc)
     finally:
         remove_tree(staging)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
-
-
-# ---------------------------------------------------------------- a full disk
-
-# Set while this process has seen the artifacts volume full and no job has succeeded since:
-# the operator is told once, not once per job.
-_storage_full_since: float | None = None
-
-
-def storage_recovered() -> None:
-    global _storage_full_since
-    if _storage_full_since is not None:
-        log.info("the artifacts volume has room again (a job was published)")
-        _storage_full_since = None
-
-
-def _wait_for_storage(
-    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
-) -> Outcome:
-    """The volume is full: the job goes back to the queue (its attempt not counted) with error
-    storage_full; the sweep sends it again once the artifacts volume has more room."""
-    global _storage_full_since
-    space = volume_free(cfg.artifacts_dir)
-    free = None if space is None else space[0]
-    shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
-    message = (
-        "the server's storage is full (no space left on device); the job waits in the queue "
-        "and runs again once space is freed"
-    )
-    if _storage_full_since is None:
-        _storage_full_since = time.monotonic()
-        log.error(
-            "storage full: %s (%s free on the artifacts volume %s after cleanup); job %s and any "
-            "other job that needs space wait in the queue until space is freed",
-            storage_error_text(exc),
-            shown,
-            cfg.artifacts_dir,
-            job_id,
-        )
-    else:
-        log.info("job %s: storage still full; back in the queue", job_id)
-
-    def once() -> bool:
-        with sessions() as s:
-            return state.wait_for_storage(s, job_id, message, free, worker_id=worker_id)
-
-    try:
-        requeued = retry_db(once, f"storage wait of job {job_id}", cfg.db_retry_s)
-    except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the storage wait: %s", job_id, e)
-        return Outcome("lost", str(e))
-    if not requeued:  # cancel requested meanwhile, or the job is no longer ours
-        return stop_job(sessions, job_id, worker_id, "storage full", cfg.db_retry_s)
-    return Outcome("storage_full", message)
-
-
-def _wait_for_store(
-    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
-) -> Outcome:
-    """The artifact store cannot be used: the job goes back to the queue (its attempt not
-    counted) with error storage_unavailable; the sweep sends it again once the store answers."""
-    where = cfg.store.describe()
-    log.error("job %s: artifact store %s unavailable (%s); back in the queue", job_id, where, exc)
-    message = (
-        "the artifact store cannot be reached; the job waits in the queue and runs again once "
-        "it can"
-    )
-
-    def once() -> bool:
-        with sessions() as s:
-            return state.wait_for_storage(
-                s, job_id, message, None, worker_id=worker_id, code=state.STORAGE_UNAVAILABLE
-            )
-
-    try:
-        requeued = retry_db(once, f"store wait of job {job_id}", cfg.db_retry_s)
-    except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the store wait: %s", job_id, e)
-        return Outcome("lost", str(e))
-    if not requeued:
-        return stop_job(sessions, job_id, worker_id, "artifact store unavailable", cfg.db_retry_s)
-    return Outcome("storage_unavailable", message)
 
 
 def _run_attempt(attempt: Attempt) -> Path | None:
