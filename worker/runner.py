@@ -37,6 +37,7 @@ from worker.attempt import (
     fail_job,
     stop_job,
 )
+from worker.calibration import load_job_calibration
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
@@ -294,37 +295,3 @@ def _run_gguf(
     final = publish_result(attempt, out, report, ["gguf"], source.revision)
     log.info("job %s: succeeded in %.2f s (engine, gguf)", attempt.job_id, engine_s)
     return final
-
-
-def load_job_calibration(
-    sessions: SessionFactory, entry: dict[str, Any] | None, model_path: Path, budget_s: float
-) -> Any:
-    """The engine Calibration for a job config's `calibration` entry (an uploaded text), or
-    None. InvalidConfigError (the job fails, code invalid_config) when the upload is gone or
-    the text has fewer tokens than the job asks for."""
-    if not entry:
-        return None
-    from app.db.models import Calibration as CalibrationRow
-    from higgs_engine.calibration import prepare_calibration
-
-    def load() -> tuple[str, str] | None:
-        with sessions() as s:
-            row = s.get(CalibrationRow, entry["id"])
-            return None if row is None else (row.text, row.sha256)
-
-    found = retry_db(load, f"calibration {entry['id']}", budget_s)
-    if found is None:
-        raise InvalidConfigError(
-            f"options.calibration: the upload {entry['id']!r} no longer exists"
-        )
-    text, sha = found
-    if sha != entry.get("sha256"):
-        raise InvalidConfigError(
-            f"options.calibration: the upload {entry['id']!r} changed since submit"
-        )
-    try:
-        return prepare_calibration(
-            model_path, text, int(entry["tokens"]), label=f"upload:{entry['id']}"
-        )
-    except InvalidConfigError as exc:
-        raise InvalidConfigError(f"options.calibration: {exc}") from exc
