@@ -64,12 +64,8 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.messages import message_roots, public_message
 from worker.progress import PartProgress, ProgressWriter, heartbeating
-from worker.publish import (
-    clear_stale_staging,
-    drop_other_attempts,
-    remove_tree,
-    staging_dir,
-)
+from worker.publish import drop_other_attempts
+from worker.staging import clear_stale_staging, remove_tree, staging_dir
 
 if TYPE_CHECKING:
     from worker.models import ModelSource

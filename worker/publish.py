@@ -1,5 +1,8 @@
-"""An attempt's files: staging, publishing (a rename into artifacts_dir, or an upload to the
-artifact store), the success recorded with the artifact rows, and what earlier attempts left.
+"""An attempt's files published: the engine's finished output (written under the attempt's
+staging directory, worker.staging) moved into artifacts_dir in one rename or uploaded to the
+artifact store, the success recorded with the artifact rows (worker.attempt.record_success),
+and what earlier attempts of the job left dropped. Nothing stays published when the success
+cannot be recorded.
 
 Directory layout under artifacts_dir:
     .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
@@ -12,8 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +24,10 @@ from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import CancelledError, HiggsError
 from worker.attempt import Attempt, record_success
 from worker.progress import ProgressWriter
+from worker.staging import remove_tree
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")
-
-STAGING = ".staging"
-
-
-def staging_dir(artifacts_dir: Path, job_id: str, attempt: int) -> Path:
-    return artifacts_dir / STAGING / f"{job_id}.{attempt}.{uuid.uuid4().hex[:8]}"
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a directory: first renamed out of the way (atomic), then deleted."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        path.rename(trash)
-    except OSError:
-        trash = path
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def clear_stale_staging(artifacts_dir: Path, job_id: str) -> None:
-    """Leftovers of earlier attempts of this job (a killed worker cannot clean up after itself)."""
-    root = artifacts_dir / STAGING
-    if root.is_dir():
-        for p in root.glob(f"{job_id}.*"):
-            remove_tree(p)
 
 
 def publish(out_dir: Path, artifacts_dir: Path, job_id: str, attempt_name: str) -> Path:

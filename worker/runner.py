@@ -44,13 +44,8 @@ from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quant
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
 from worker.progress import ProgressWriter, heartbeating
-from worker.publish import (
-    clear_stale_staging,
-    publish_result,
-    remove_empty_job_dir,
-    remove_tree,
-    staging_dir,
-)
+from worker.publish import publish_result, remove_empty_job_dir
+from worker.staging import clear_stale_staging, remove_tree, staging_dir
 from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
 log = logging.getLogger("worker.runner")
