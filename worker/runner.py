@@ -1,16 +1,20 @@
 """The runner: everything one job attempt does, from claim to published artifacts.
 
-    claim (compare-and-set queued -> running)
+    claim (compare-and-set queued -> running; worker.attempt)
       -> resolve the model (local name under models_dir, or Hub id pinned to a commit sha)
-      -> higgs_engine.pipeline.quantize_checkpoint, with a progress callback that writes
+      -> a sharded source may fan out into parts here (worker.fanout); otherwise:
+      -> the engine's entry point, with a progress callback (worker.progress) that writes
          stage / progress / heartbeat and asks the engine to stop when cancel was requested
-      -> publish the artifacts atomically (rename) with a sha256 per file
+      -> publish the artifacts (one rename, or an upload under a key no row names yet) with
+         a sha256 per file (worker.publish)
       -> app.jobs.state.succeed (report, layers, artifact rows in one transaction)
 
-Failures become a job error code (HiggsError.code for the engine's typed errors). A cancelled,
-failed or lost attempt leaves nothing under the published artifact directory.
+Failures become a job error code (HiggsError.code for the engine's typed errors). A full
+artifacts volume or an unreachable artifact store puts the job back in the queue instead
+(worker.storage). A cancelled, failed or lost attempt leaves nothing under the published
+artifact directory.
 
-Directory layout under artifacts_dir:
+Directory layout under artifacts_dir (worker.staging, worker.publish):
     .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
     <job_id>/<attempt>.<hex>/<format>/   published attempt, referenced by the artifact rows
 """
