@@ -1,29 +1,28 @@
 """One job attempt's bookkeeping, shared by the runner (worker.runner) and the fan-out
 (worker.fanout): the claim (compare-and-set queued -> running) and the claimed record, the
-progress writer and its heartbeats, the attempt's outcome, and how a failure or a stop is
-recorded. Every database write is retried through an outage (worker.dbretry)."""
+attempt's outcome, and how a failure, a stop or the success is recorded (its progress and
+heartbeats: worker.progress; its files: worker.publish). Every database write is retried
+through an outage (worker.dbretry)."""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import os
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy.orm import Session, sessionmaker
-
-from app.db.models import CANCELLED, FAILED, RUNNING, Job
+from app.db.models import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job
 from app.jobs import state
+from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import HiggsError
 from worker.config import RunnerConfig
-from worker.dbretry import DatabaseUnavailableError, retry_db
+from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.messages import message_roots, public_message
+from worker.progress import ProgressWriter
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")
@@ -39,8 +38,6 @@ ENGINE_CODES = frozenset(
         "profile_not_found",
     }
 )
-
-SessionFactory = sessionmaker[Session]
 
 
 def job_error_code(exc: BaseException) -> str:
@@ -64,106 +61,25 @@ def default_worker_id() -> str:
     return worker_id_of(os.getpid())
 
 
-# ---------------------------------------------------------------- progress + heartbeat
-
-
-class ProgressWriter:
-    """The engine's progress callback: writes stage/done/total (and so the heartbeat) to the
-    job row, at most every `min_interval` seconds within a stage, and returns False once the
-    job should stop (cancel requested, or this worker no longer owns the job)."""
-
-    def __init__(
-        self,
-        sessions: SessionFactory,
-        job_id: str,
-        worker_id: str,
-        *,
-        min_interval: float = 0.5,
-        layer_delay: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        db_retry_s: float = 300.0,
-    ) -> None:
-        self.sessions = sessions
-        self.db_retry_s = db_retry_s
-        self.job_id = job_id
-        self.worker_id = worker_id
-        self.min_interval = min_interval
-        self.layer_delay = layer_delay
-        self.clock = clock
-        self.sleep = sleep
-        self.stop = threading.Event()
-        self.last: tuple[str, int, int] = ("", 0, 0)
-        self._last_write = -1e18
-        self._lock = threading.Lock()
-
-    def write(self, stage: str, done: int, total: int) -> bool:
-        def once() -> bool:
-            with self.sessions() as s:
-                return state.record_progress(
-                    s, self.job_id, stage, done, total, worker_id=self.worker_id
-                )
-
-        # Through a database outage the engine waits here (retrying), then goes on.
-        with self._lock:
-            go = retry_db(once, f"progress of job {self.job_id}", self.db_retry_s)
-        self._last_write = self.clock()
-        if not go:
-            self.stop.set()
-        return go
-
-    def __call__(self, stage: str, done: int, total: int) -> bool:
-        if self.stop.is_set():
-            return False
-        changed = stage != self.last[0]
-        self.last = (stage, done, total)
-        due = self.clock() - self._last_write >= self.min_interval
-        if (changed or due or done >= total) and not self.write(stage, done, total):
-            return False
-        if self.layer_delay and stage in ("quantizing", "profiling") and done > 0:
-            self.sleep(self.layer_delay)
-        return not self.stop.is_set()
-
-    def beat(self) -> None:
-        """A heartbeat between progress calls (long loads, long layers)."""
-
-        def once() -> bool:
-            with self.sessions() as s:
-                return state.heartbeat(s, self.job_id, worker_id=self.worker_id)
-
-        with self._lock:
-            go = retry_db(once, f"heartbeat of job {self.job_id}", self.db_retry_s)
-        if not go:
-            self.stop.set()
-
-
-@contextlib.contextmanager
-def heartbeating(writer: ProgressWriter, interval: float) -> Iterator[None]:
-    """Run writer.beat() every `interval` seconds in a daemon thread while the block runs."""
-    done = threading.Event()
-
-    def loop() -> None:
-        while not done.wait(interval):
-            try:
-                writer.beat()
-            except Exception as e:  # a missed beat is not fatal; the next one may work
-                log.warning("heartbeat for job %s failed: %s", writer.job_id, e)
-
-    t = threading.Thread(target=loop, name=f"heartbeat-{writer.job_id}", daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        done.set()
-        t.join(timeout=5)
-
-
 # ---------------------------------------------------------------- the attempt
+
+
+# How an attempt (of a job, a part or an assembly) ended; what the Celery tasks return.
+OutcomeStatus = Literal[
+    "succeeded",  # published (a job or an assembly), or a part's shards stored
+    "failed",  # the job failed with an error code (detail: "code: message")
+    "cancelled",  # the user's cancel was recorded
+    "lost",  # this worker no longer owns the work, or the database stayed away
+    "skipped",  # nothing to claim (a duplicate delivery, finished, or not all parts done)
+    "fanned_out",  # the job's parts were recorded and dispatched (worker.fanout)
+    "storage_full",  # the artifacts volume is full: the job waits in the queue
+    "storage_unavailable",  # the artifact store cannot be used: back in the queue
+]
 
 
 @dataclass
 class Outcome:
-    status: str  # "skipped", "succeeded", "failed", "cancelled", "lost", "storage_full"
+    status: OutcomeStatus
     detail: str = ""
 
 
@@ -294,3 +210,40 @@ def stop_job(
         "job %s: stopped because this worker no longer owns it (now %s)", job_id, job.status
     )
     return Outcome("lost", why)
+
+
+def record_success(
+    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
+) -> None:
+    """The job succeeded with its report, layer and artifact rows: one transaction (retried
+    while the database is away; a retry after a commit whose reply was lost is no error)."""
+    sessions, job_id, worker_id, cfg = (
+        attempt.sessions,
+        attempt.job_id,
+        attempt.worker_id,
+        attempt.cfg,
+    )
+    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+    tries = 0
+
+    def record() -> None:
+        nonlocal tries
+        tries += 1
+        try:
+            with sessions() as s:
+                state.succeed(
+                    s,
+                    job_id,
+                    report_dict,
+                    None,
+                    rows,
+                    worker_id=worker_id,
+                    model_revision=model_revision,
+                )
+        except state.IllegalTransitionError:
+            # A retry after a commit whose reply was lost finds the job already ours.
+            if tries > 1 and ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
+                return
+            raise
+
+    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)

@@ -19,10 +19,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger("worker.db")
 
 T = TypeVar("T")
+
+# Where the worker's database writes open their sessions (one per try).
+SessionFactory = sessionmaker[Session]
 
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0

@@ -54,24 +54,18 @@ from worker.attempt import (
     Claimed,
     Dispatch,
     Outcome,
-    ProgressWriter,
-    SessionFactory,
     default_worker_id,
     fail_job,
-    heartbeating,
     job_error_code,
     job_snapshot,
+    record_success,
 )
 from worker.config import RunnerConfig
-from worker.dbretry import DatabaseUnavailableError, retry_db
+from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.messages import message_roots, public_message
-from worker.publish import (
-    clear_stale_staging,
-    drop_other_attempts,
-    record_success,
-    remove_tree,
-    staging_dir,
-)
+from worker.progress import PartProgress, ProgressWriter, heartbeating
+from worker.publish import drop_other_attempts
+from worker.staging import clear_stale_staging, remove_tree, staging_dir
 
 if TYPE_CHECKING:
     from worker.models import ModelSource
@@ -135,52 +129,6 @@ def start_fanout(
 
 
 # ---------------------------------------------------------------- a part
-
-
-class PartProgress(ProgressWriter):
-    """The engine's progress callback for one part: the part row's progress and heartbeat,
-    summed into the job's; False once the part should stop."""
-
-    def __init__(
-        self,
-        sessions: SessionFactory,
-        job_id: str,
-        attempt: int,
-        idx: int,
-        worker_id: str,
-        cfg: RunnerConfig,
-    ) -> None:
-        super().__init__(
-            sessions,
-            job_id,
-            worker_id,
-            min_interval=cfg.progress_min_interval_s,
-            layer_delay=cfg.debug_layer_delay_s,
-            db_retry_s=cfg.db_retry_s,
-        )
-        self.attempt = attempt
-        self.idx = idx
-
-    def _record(self, done: int | None, total: int | None) -> bool:
-        def once() -> bool:
-            with self.sessions() as s:
-                return part_state.record_part_progress(
-                    s, self.job_id, self.attempt, self.idx, self.worker_id, done, total
-                )
-
-        with self._lock:
-            go = retry_db(once, f"progress of job {self.job_id} part {self.idx}", self.db_retry_s)
-        if not go:
-            self.stop.set()
-        return go
-
-    def write(self, stage: str, done: int, total: int) -> bool:
-        go = self._record(done, total) if stage == "quantizing" else self._record(None, None)
-        self._last_write = self.clock()
-        return go
-
-    def beat(self) -> None:
-        self._record(None, None)
 
 
 def _cancel_if_asked(

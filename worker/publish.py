@@ -1,5 +1,8 @@
-"""An attempt's files: staging, publishing (a rename into artifacts_dir, or an upload to the
-artifact store), the success recorded with the artifact rows, and what earlier attempts left.
+"""An attempt's files published: the engine's finished output (written under the attempt's
+staging directory, worker.staging) moved into artifacts_dir in one rename or uploaded to the
+artifact store, the success recorded with the artifact rows (worker.attempt.record_success),
+and what earlier attempts of the job left dropped. Nothing stays published when the success
+cannot be recorded.
 
 Directory layout under artifacts_dir:
     .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
@@ -10,51 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 from app.artifacts.manifest import artifact_rows as manifest_rows
 from app.artifacts.store import ArtifactStore, StoreUnavailableError, UploadFile, join_uri
-from app.db.models import SUCCEEDED
-from app.jobs import state
 from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import CancelledError, HiggsError
-from worker.attempt import Attempt, ProgressWriter, ours_now
-from worker.dbretry import retry_db
+from worker.attempt import Attempt, record_success
+from worker.progress import ProgressWriter
+from worker.staging import remove_tree
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")
-
-STAGING = ".staging"
-
-
-def staging_dir(artifacts_dir: Path, job_id: str, attempt: int) -> Path:
-    return artifacts_dir / STAGING / f"{job_id}.{attempt}.{uuid.uuid4().hex[:8]}"
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a directory: first renamed out of the way (atomic), then deleted."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        path.rename(trash)
-    except OSError:
-        trash = path
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def clear_stale_staging(artifacts_dir: Path, job_id: str) -> None:
-    """Leftovers of earlier attempts of this job (a killed worker cannot clean up after itself)."""
-    root = artifacts_dir / STAGING
-    if root.is_dir():
-        for p in root.glob(f"{job_id}.*"):
-            remove_tree(p)
 
 
 def publish(out_dir: Path, artifacts_dir: Path, job_id: str, attempt_name: str) -> Path:
@@ -152,43 +125,6 @@ def publish_result(
         raise
     drop_other_attempts(attempt, uri, final)
     return final
-
-
-def record_success(
-    attempt: Attempt, report: Any, rows: list[ArtifactRow], model_revision: str | None
-) -> None:
-    """The job succeeded with its report, layer and artifact rows: one transaction (retried
-    while the database is away; a retry after a commit whose reply was lost is no error)."""
-    sessions, job_id, worker_id, cfg = (
-        attempt.sessions,
-        attempt.job_id,
-        attempt.worker_id,
-        attempt.cfg,
-    )
-    report_dict = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
-    tries = 0
-
-    def record() -> None:
-        nonlocal tries
-        tries += 1
-        try:
-            with sessions() as s:
-                state.succeed(
-                    s,
-                    job_id,
-                    report_dict,
-                    None,
-                    rows,
-                    worker_id=worker_id,
-                    model_revision=model_revision,
-                )
-        except state.IllegalTransitionError:
-            # A retry after a commit whose reply was lost finds the job already ours.
-            if tries > 1 and ours_now(sessions, job_id, worker_id, SUCCEEDED, cfg.db_retry_s):
-                return
-            raise
-
-    retry_db(record, f"result of job {job_id}", cfg.db_retry_s)
 
 
 def drop_other_attempts(attempt: Attempt, uri: str, final: Path) -> None:

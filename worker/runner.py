@@ -1,16 +1,20 @@
 """The runner: everything one job attempt does, from claim to published artifacts.
 
-    claim (compare-and-set queued -> running)
+    claim (compare-and-set queued -> running; worker.attempt)
       -> resolve the model (local name under models_dir, or Hub id pinned to a commit sha)
-      -> higgs_engine.pipeline.quantize_checkpoint, with a progress callback that writes
+      -> a sharded source may fan out into parts here (worker.fanout); otherwise:
+      -> the engine's entry point, with a progress callback (worker.progress) that writes
          stage / progress / heartbeat and asks the engine to stop when cancel was requested
-      -> publish the artifacts atomically (rename) with a sha256 per file
+      -> publish the artifacts (one rename, or an upload under a key no row names yet) with
+         a sha256 per file (worker.publish)
       -> app.jobs.state.succeed (report, layers, artifact rows in one transaction)
 
-Failures become a job error code (HiggsError.code for the engine's typed errors). A cancelled,
-failed or lost attempt leaves nothing under the published artifact directory.
+Failures become a job error code (HiggsError.code for the engine's typed errors). A full
+artifacts volume or an unreachable artifact store puts the job back in the queue instead
+(worker.storage). A cancelled, failed or lost attempt leaves nothing under the published
+artifact directory.
 
-Directory layout under artifacts_dir:
+Directory layout under artifacts_dir (worker.staging, worker.publish):
     .staging/<job_id>.<attempt>.<hex>/   the engine writes here (never served)
     <job_id>/<attempt>.<hex>/<format>/   published attempt, referenced by the artifact rows
 """
@@ -32,26 +36,21 @@ from worker.attempt import (
     Attempt,
     Dispatch,
     Outcome,
-    ProgressWriter,
-    SessionFactory,
     claim_job,
     default_worker_id,
     fail_job,
-    heartbeating,
     stop_job,
 )
+from worker.calibration import load_job_calibration
 from worker.config import RunnerConfig
-from worker.dbretry import DatabaseUnavailableError, is_transient, retry_db
+from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
 from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
-from worker.messages import is_storage_full, storage_error_text, volume_free
-from worker.publish import (
-    clear_stale_staging,
-    publish_result,
-    remove_empty_job_dir,
-    remove_tree,
-    staging_dir,
-)
+from worker.messages import is_storage_full
+from worker.progress import ProgressWriter, heartbeating
+from worker.publish import publish_result, remove_empty_job_dir
+from worker.staging import clear_stale_staging, remove_tree, staging_dir
+from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
 log = logging.getLogger("worker.runner")
 
@@ -123,96 +122,14 @@ def run_job(
             return Outcome("lost", str(exc))
         if isinstance(exc, StoreUnavailableError):
             remove_tree(staging)
-            return _wait_for_store(sessions, job_id, worker_id, cfg, exc)
+            return wait_for_store(sessions, job_id, worker_id, cfg, exc)
         if is_storage_full(exc):
             remove_tree(staging)
-            return _wait_for_storage(sessions, job_id, worker_id, cfg, exc)
+            return wait_for_storage(sessions, job_id, worker_id, cfg, exc)
         return fail_job(sessions, job_id, worker_id, cfg, exc)
     finally:
         remove_tree(staging)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
-
-
-# ---------------------------------------------------------------- a full disk
-
-# Set while this process has seen the artifacts volume full and no job has succeeded since:
-# the operator is told once, not once per job.
-_storage_full_since: float | None = None
-
-
-def storage_recovered() -> None:
-    global _storage_full_since
-    if _storage_full_since is not None:
-        log.info("the artifacts volume has room again (a job was published)")
-        _storage_full_since = None
-
-
-def _wait_for_storage(
-    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
-) -> Outcome:
-    """The volume is full: the job goes back to the queue (its attempt not counted) with error
-    storage_full; the sweep sends it again once the artifacts volume has more room."""
-    global _storage_full_since
-    space = volume_free(cfg.artifacts_dir)
-    free = None if space is None else space[0]
-    shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
-    message = (
-        "the server's storage is full (no space left on device); the job waits in the queue "
-        "and runs again once space is freed"
-    )
-    if _storage_full_since is None:
-        _storage_full_since = time.monotonic()
-        log.error(
-            "storage full: %s (%s free on the artifacts volume %s after cleanup); job %s and any "
-            "other job that needs space wait in the queue until space is freed",
-            storage_error_text(exc),
-            shown,
-            cfg.artifacts_dir,
-            job_id,
-        )
-    else:
-        log.info("job %s: storage still full; back in the queue", job_id)
-
-    def once() -> bool:
-        with sessions() as s:
-            return state.wait_for_storage(s, job_id, message, free, worker_id=worker_id)
-
-    try:
-        requeued = retry_db(once, f"storage wait of job {job_id}", cfg.db_retry_s)
-    except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the storage wait: %s", job_id, e)
-        return Outcome("lost", str(e))
-    if not requeued:  # cancel requested meanwhile, or the job is no longer ours
-        return stop_job(sessions, job_id, worker_id, "storage full", cfg.db_retry_s)
-    return Outcome("storage_full", message)
-
-
-def _wait_for_store(
-    sessions: SessionFactory, job_id: str, worker_id: str, cfg: RunnerConfig, exc: BaseException
-) -> Outcome:
-    """The artifact store cannot be used: the job goes back to the queue (its attempt not
-    counted) with error storage_unavailable; the sweep sends it again once the store answers."""
-    where = cfg.store.describe()
-    log.error("job %s: artifact store %s unavailable (%s); back in the queue", job_id, where, exc)
-    message = (
-        "the artifact store cannot be reached; the job waits in the queue and runs again once "
-        "it can"
-    )
-
-    def once() -> bool:
-        with sessions() as s:
-            return state.wait_for_storage(
-                s, job_id, message, None, worker_id=worker_id, code=state.STORAGE_UNAVAILABLE
-            )
-
-    try:
-        requeued = retry_db(once, f"store wait of job {job_id}", cfg.db_retry_s)
-    except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the store wait: %s", job_id, e)
-        return Outcome("lost", str(e))
-    if not requeued:
-        return stop_job(sessions, job_id, worker_id, "artifact store unavailable", cfg.db_retry_s)
-    return Outcome(state.STORAGE_UNAVAILABLE, message)
 
 
 def _run_attempt(attempt: Attempt) -> Path | None:
@@ -377,37 +294,3 @@ def _run_gguf(
     final = publish_result(attempt, out, report, ["gguf"], source.revision)
     log.info("job %s: succeeded in %.2f s (engine, gguf)", attempt.job_id, engine_s)
     return final
-
-
-def load_job_calibration(
-    sessions: SessionFactory, entry: dict[str, Any] | None, model_path: Path, budget_s: float
-) -> Any:
-    """The engine Calibration for a job config's `calibration` entry (an uploaded text), or
-    None. InvalidConfigError (the job fails, code invalid_config) when the upload is gone or
-    the text has fewer tokens than the job asks for."""
-    if not entry:
-        return None
-    from app.db.models import Calibration as CalibrationRow
-    from higgs_engine.calibration import prepare_calibration
-
-    def load() -> tuple[str, str] | None:
-        with sessions() as s:
-            row = s.get(CalibrationRow, entry["id"])
-            return None if row is None else (row.text, row.sha256)
-
-    found = retry_db(load, f"calibration {entry['id']}", budget_s)
-    if found is None:
-        raise InvalidConfigError(
-            f"options.calibration: the upload {entry['id']!r} no longer exists"
-        )
-    text, sha = found
-    if sha != entry.get("sha256"):
-        raise InvalidConfigError(
-            f"options.calibration: the upload {entry['id']!r} changed since submit"
-        )
-    try:
-        return prepare_calibration(
-            model_path, text, int(entry["tokens"]), label=f"upload:{entry['id']}"
-        )
-    except InvalidConfigError as exc:
-        raise InvalidConfigError(f"options.calibration: {exc}") from exc

@@ -17,7 +17,7 @@ from celery.worker.request import Request
 
 from app.jobs import parts, state
 from app.settings import TASK_NAME
-from worker.attempt import worker_id_of
+from worker.attempt import OutcomeStatus, worker_id_of
 from worker.celery_app import (
     ASSEMBLE_TASK,
     PART_TASK,
@@ -180,7 +180,7 @@ def fanout_dispatch() -> Any:
     return dispatch_parts if settings.fanout and app.conf.result_backend else None
 
 
-def run_job(job_id: str) -> str:
+def run_job(job_id: str) -> OutcomeStatus:
     """Run one attempt of the job (a no-op when it is not queued). Returns the outcome."""
     from worker.runner import run_job as run
 
@@ -190,7 +190,7 @@ def run_job(job_id: str) -> str:
     return outcome.status
 
 
-def run_part(job_id: str, attempt: int, idx: int) -> str:
+def run_part(job_id: str, attempt: int, idx: int) -> OutcomeStatus:
     """Run one attempt of one part of a fanned-out job (a no-op when it is not queued)."""
     from worker.fanout import run_part as run
 
@@ -200,7 +200,7 @@ def run_part(job_id: str, attempt: int, idx: int) -> str:
     return outcome.status
 
 
-def assemble(results: Any, job_id: str, attempt: int) -> str:
+def assemble(results: Any, job_id: str, attempt: int) -> OutcomeStatus:
     """Assemble a fanned-out job once every part is done (the chord's callback; the sweep
     sends it too, with results None). A no-op when the parts are not all done."""
     from worker.fanout import assemble as run

@@ -18,8 +18,9 @@ from higgs_engine.errors import CancelledError, InvalidConfigError, ModelNotFoun
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under, make_hub_cache
 from tests.worker.helpers import cancel_mid_run, create_job
-from worker.attempt import ProgressWriter, job_error_code
+from worker.attempt import job_error_code
 from worker.config import RunnerConfig
+from worker.progress import ProgressWriter
 from worker.runner import run_job
 
 BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}
