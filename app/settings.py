@@ -134,7 +134,8 @@ class Settings(BaseSettings):
     # Label draws per window for the fisher method (backward passes per window).
     profile_fisher_samples: int = Field(default=DEFAULT_PROFILE.fisher_samples, ge=1)
     profile_seed: int = 0
-    # Calibration text (UTF-8 file on the worker); None = random tokens. Needed for metric ppl.
+    # Profile text (UTF-8 file on the worker); None = the data-free source above
+    # (profile_data_free). Needed for metric ppl.
     profile_text_file: Path | None = None
     # Engine-side profile cache (also what makes an interrupted profile resume); the database's
     # profiles table is the service's index of complete profiles.
