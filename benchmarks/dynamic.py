@@ -90,7 +90,7 @@ class Quantized:
 
             w = self.originals[name]
             t0 = time.perf_counter()
-            q = quantize_matrix(w, p, n)
+            q = quantize_matrix(w, p, n, sign_seed=None, scale_rule="rms")
             w_hat = dequantize_matrix(q).to(ARTIFACT_DTYPE)
             self.seconds += time.perf_counter() - t0
             t2 = float(((w_hat.float() - w).double().pow(2).sum() / w.double().pow(2).sum()).item())

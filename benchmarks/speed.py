@@ -89,13 +89,13 @@ def device_variants() -> dict[str, Any]:
 
     out: dict[str, Any] = {
         f"{KEY_HIGGS} matmul search (GPU path) on cpu": lambda w: quantize_matrix(
-            w, 2, 256, search="matmul"
+            w, 2, 256, sign_seed=None, search="matmul", scale_rule="rms"
         )
     }
     if torch.cuda.is_available():
 
         def on_cuda(w: torch.Tensor) -> Any:
-            q = quantize_matrix(w, 2, 256, device="cuda")
+            q = quantize_matrix(w, 2, 256, sign_seed=None, device="cuda", scale_rule="rms")
             torch.cuda.synchronize()
             return q
 

@@ -38,6 +38,12 @@ from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_searcher
 from higgs_engine.packing import pack_codes
+from higgs_engine.planning.config import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_ROTATION_BLOCK,
+    DEFAULT_SCALE_RULE,
+    DEFAULT_SIGN_SEED,
+)
 from higgs_engine.quantize import (
     FP16_MAX,
     SCALE_RULES,
@@ -224,7 +230,7 @@ def _higgs_setup(
     rotation_block: int,
     sign_seed: int | None,
     grid: torch.Tensor | None,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[list[int], list[int], torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(layout, group lengths, signs, grid float32, rotated W' float64, fp16 scales (out, G)).
 
@@ -279,7 +285,7 @@ def _finish(
     codes: torch.Tensor,
     Q: torch.Tensor,
     signs: torch.Tensor | None,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     out_f, in_f = shape
     q = QuantizedMatrix(
@@ -303,15 +309,15 @@ def gptq_higgs(
     hessian: torch.Tensor,
     p: int,
     n: int,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    sign_seed: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    sign_seed: int | None = DEFAULT_SIGN_SEED,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     """Calibrated HIGGS of W (out, in) with the input Hessian 2 X^T X / tokens (in, in) of the
     UNROTATED inputs. Returns (q, W_hat float32 (out, in) = dequantize_matrix(q)).
@@ -338,15 +344,15 @@ def gptq_higgs_many(
     hessian: torch.Tensor,
     p: int,
     n: int,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    sign_seed: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    sign_seed: int | None = DEFAULT_SIGN_SEED,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> list[tuple[QuantizedMatrix, torch.Tensor]]:
     """`gptq_higgs` of several matrices with the same input (q/k/v, gate/up): rows never
     interact in the sweep, so the matrices are stacked and swept once, with one Cholesky."""
@@ -399,13 +405,13 @@ def gptq_higgs_reference(
     hessian: torch.Tensor,
     p: int,
     n: int,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    sign_seed: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    sign_seed: int | None = DEFAULT_SIGN_SEED,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     """Slow twin of `gptq_higgs` (float64, no Cholesky, no lazy batching): after quantizing
     the tuple S of columns, every remaining column is corrected by the optimal-brain-quantizer

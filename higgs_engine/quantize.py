@@ -26,6 +26,12 @@ from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_points_reference
 from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
+from higgs_engine.planning.config import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_ROTATION_BLOCK,
+    DEFAULT_SCALE_RULE,
+    DEFAULT_SIGN_SEED,
+)
 from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
 from higgs_engine.planning.layout import is_power_of_two
 from higgs_engine.scale_search import TABLE_MAX_POINTS, scale_table_for, score_multipliers
@@ -531,14 +537,14 @@ def quantize_matrix(
     W: torch.Tensor,
     p: int,
     n: int,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    sign_seed: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    sign_seed: int | None = DEFAULT_SIGN_SEED,
     grid: torch.Tensor | None = None,
     *,
     device: torch.device | str | None = None,
     search: str = "auto",
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
     scale_search: str = "table",
 ) -> QuantizedMatrix:
     """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research).
@@ -567,15 +573,15 @@ def quantize_matrix_full(
     W: torch.Tensor,
     p: int,
     n: int,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    sign_seed: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    rotation_block: int = DEFAULT_ROTATION_BLOCK,
+    sign_seed: int | None = DEFAULT_SIGN_SEED,
     grid: torch.Tensor | None = None,
     *,
     device: torch.device | str | None = None,
     search: str = "auto",
     dequantized: bool = True,
-    scale_rule: str = "rms",
+    scale_rule: str = DEFAULT_SCALE_RULE,
     scale_search: str = "table",
 ) -> tuple[QuantizedMatrix, torch.Tensor | None]:
     """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the

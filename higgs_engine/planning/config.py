@@ -45,6 +45,11 @@ def check_grid(p: int, n: int) -> None:
         )
 
 
+# The defaults of HiggsConfig and of the quantization primitives (higgs_engine.quantize,
+# higgs_engine.gptq): one place, so that a primitive called with its defaults quantizes as the
+# pipeline does with HiggsConfig().
+DEFAULT_GROUP_SIZE = 256
+DEFAULT_ROTATION_BLOCK = 1024
 DEFAULT_SIGN_SEED = 0
 DEFAULT_SCALE_RULE: ScaleRule = "mse-unbiased"
 
@@ -68,8 +73,8 @@ class HiggsConfig:
 
     p: int = 2
     n: int = 256
-    group_size: int = 256
-    rotation_block: int = 1024
+    group_size: int = DEFAULT_GROUP_SIZE
+    rotation_block: int = DEFAULT_ROTATION_BLOCK
     # Seed of the random +-1 signs applied before the rotation (the randomized Hadamard
     # transform); None = no signs (the reference implementations use none). Signs with the
     # MSE-searched unbiased scale won on both real models of benchmarks/ablation.py

@@ -162,7 +162,7 @@ def test_reference_pipeline_twin() -> None:
 
     W = _gauss((16, 576), seed=3)
     p, n, gsz = 2, 256, 128
-    q = quantize_matrix(W, p, n, group_size=gsz)
+    q = quantize_matrix(W, p, n, group_size=gsz, sign_seed=None, scale_rule="rms")
     y = rotate_reference(W, q.layout)  # (16, 576) float64
     lens = group_lengths(q.layout, gsz)
     s = q.scales.double()
@@ -303,7 +303,8 @@ def test_relative_error_matches_grid_mse(shape: tuple[int, int], p: int, n: int,
     W = _gauss(shape, seed=11) if dist == "gauss" else _student_t(shape, float(dist[1:]), seed=11)
     # Heavy rows and columns too: the rotation and per-group scales must absorb them.
     W = W * torch.logspace(-1, 1, shape[0])[:, None]
-    t2 = relative_error(W, dequantize_matrix(quantize_matrix(W, p, n)))
+    q = quantize_matrix(W, p, n, sign_seed=None, scale_rule="rms")
+    t2 = relative_error(W, dequantize_matrix(q))
     assert abs(t2 / grid_mse(p, n) - 1) < 0.05, (t2, grid_mse(p, n))
 
 
@@ -322,3 +323,37 @@ def test_higgs_matmul_on_cuda() -> None:
     half = higgs_matmul(x.cuda().half(), q, w_rot)
     assert half.dtype == torch.float16
     assert torch.allclose(half.float().cpu(), ref, atol=5e-2, rtol=1e-2)
+
+
+def test_primitive_defaults_are_the_pipelines_default_config() -> None:
+    """quantize_matrix / gptq_higgs called with their defaults quantize exactly as the pipeline
+    does with HiggsConfig() (run_core.quantize_layer_full, calibrate_layers' GPTQ call)."""
+    from higgs_engine.gptq import gptq_higgs
+    from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.run_core import quantize_layer_full
+
+    cfg = HiggsConfig()
+    W = _student_t((24, 1536), 4.0, seed=21)
+    q_default = quantize_matrix(W, cfg.p, cfg.n)
+    q_pipeline, _, _ = quantize_layer_full(W, cfg.p, cfg.n, cfg)
+    assert (q_default.sign_seed, q_default.scale_rule) == (cfg.sign_seed, cfg.scale_rule)
+    assert (q_default.group_size, q_default.layout) == (q_pipeline.group_size, q_pipeline.layout)
+    assert torch.equal(q_default.codes, q_pipeline.codes)
+    assert torch.equal(q_default.scales, q_pipeline.scales)
+
+    x = _gauss((64, 1536), seed=22)
+    hessian = 2 * x.T.double() @ x.double() / x.shape[0]
+    g_default, _ = gptq_higgs(W, hessian, cfg.p, cfg.n)
+    g_config, _ = gptq_higgs(
+        W,
+        hessian,
+        cfg.p,
+        cfg.n,
+        group_size=cfg.group_size,
+        rotation_block=cfg.rotation_block,
+        sign_seed=cfg.sign_seed,
+        scale_rule=cfg.scale_rule,
+    )
+    assert (g_default.sign_seed, g_default.scale_rule) == (cfg.sign_seed, cfg.scale_rule)
+    assert torch.equal(g_default.codes, g_config.codes)
+    assert torch.equal(g_default.scales, g_config.scales)
