@@ -36,7 +36,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,11 +345,13 @@ def assemble_metadata(
     resolved: ResolvedSource | None = None,
     timings: Mapping[str, float] | None = None,
     device: str | None = None,
+    annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
     """The small files of the artifacts assembled from every part of a sharded source, written
     into `out_dir` (which must not exist): per format the shard index (weight map and total
     size), config.json and the tokenizer files, the native grids shard, and report.json.
-    Returns the run's Report.
+    Returns the run's Report. `annotate(report, out_dir)` (the caller's additions) runs before
+    report.json is written, which happens once.
 
     Nothing of the parts' shards is read: `metas` is every part's part.json (in any order),
     whose "files" give each shard's size; the shards themselves go beside these files under
@@ -357,6 +359,39 @@ def assemble_metadata(
     where the artifact is published). `source` needs only config.json, the shard index and
     the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
     seconds) and its `files` every file of each format, the parts' shards included."""
+    rep = _assemble_small_files(
+        source, metas, out_dir, config, progress, resolved=resolved, timings=timings, device=device
+    )
+    _finish_report(rep, Path(out_dir), annotate)
+    report(progress, "packaging", 1, 1)
+    return rep
+
+
+def _finish_report(
+    rep: Report, out_dir: Path, annotate: Callable[[Report, Path], None] | None
+) -> None:
+    """The caller's annotations, then report.json (the one write); `out_dir` goes on error."""
+    try:
+        if annotate is not None:
+            annotate(rep, out_dir)
+        rep.save(out_dir / "report.json")
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _assemble_small_files(
+    source: Path,
+    metas: Sequence[Mapping[str, Any]],
+    out_dir: Path,
+    config: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    *,
+    resolved: ResolvedSource | None = None,
+    timings: Mapping[str, float] | None = None,
+    device: str | None = None,
+) -> Report:
+    """assemble_metadata's files but report.json; returns the report to write."""
     from higgs_engine.formats.native import quantization_config
     from higgs_engine.sources import ResolvedSource
 
@@ -430,11 +465,9 @@ def assemble_metadata(
         rep.metrics["parts"] = [
             {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in ordered
         ]
-        rep.save(out_dir / "report.json")
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
-    report(progress, "packaging", 1, 1)
     return rep
 
 
@@ -449,16 +482,18 @@ def assemble_parts(
     move: bool = False,
     timings: Mapping[str, float] | None = None,
     device: str | None = None,
+    annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
     """Assemble every part of a sharded source into `out_dir` (which must not exist) and
     return the run's Report (also written as out_dir/report.json).
 
-    The small files come from assemble_metadata; each part's shards (in `part_dirs`, every
+    The small files come as assemble_metadata's; each part's shards (in `part_dirs`, every
     part's output directory in any order) go beside them, moved with move=True (one rename
-    each), else copied."""
+    each), else copied. Then `annotate(report, out_dir)` (the artifacts complete) and the one
+    write of report.json."""
     metas = [read_part(d) for d in part_dirs]
     where = {int(m["index"]): Path(d) for m, d in zip(metas, part_dirs, strict=True)}
-    rep = assemble_metadata(
+    rep = _assemble_small_files(
         source,
         metas,
         out_dir,
@@ -475,6 +510,8 @@ def assemble_parts(
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
+    _finish_report(rep, Path(out_dir), annotate)
+    report(progress, "packaging", 1, 1)
     return rep
 
 

@@ -1,4 +1,5 @@
-"""quantize_checkpoint: the one entry point the CLI and the service call.
+"""quantize_checkpoint: the uniform stage of higgs_engine.job.run (the entry point the CLI and
+the service call).
 
 Streaming: tensors are read one at a time from the source safetensors, quantized (or cast to
 16 bits) and appended to the output files, so peak memory is bounded by the largest tensor
@@ -6,7 +7,8 @@ Streaming: tensors are read one at a time from the source safetensors, quantized
 
 Atomic output: everything is written into a temporary sibling of `out_dir` and renamed at the
 end; on any error or cancellation the temporary directory is removed and `out_dir` is left as
-it was (absent).
+it was (absent). report.json is written once, into the temporary directory, after the caller's
+`annotate` (higgs_engine.job.run's dynamic annotations, the service's metrics) ran on it.
 
 The layer plan, the tensor streaming and the report are the run core (higgs_engine.run_core),
 shared with the part-by-part runs of higgs_engine.parts.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,6 +123,7 @@ def quantize_checkpoint(
     local_files_only: bool = False,
     device: str | None = None,
     calibration: Calibration | None = None,
+    annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
     """Quantize `source` (local dir, .gguf file or Hub id) into `out_dir` and return the Report.
 
@@ -134,6 +138,9 @@ def quantize_checkpoint(
     of a block-by-block pass over these token windows (stage "calibrating", layers done/total);
     the artifacts have the same format, only codes and scales differ. The report's
     metrics["calibration"] says which text (sha256, tokens) was used.
+    annotate(report, staged_dir): what the caller adds to the report, given the staged output
+    directory (its artifacts complete), before report.json is written there (once) and the
+    directory is renamed to `out_dir`.
     """
     from higgs_engine.device import resolve_device
 
@@ -153,15 +160,20 @@ def quantize_checkpoint(
                 device=dev,
             ),
             calibration,
+            annotate,
         )
 
 
-def _run(ctx: RunContext, calibration: Calibration | None) -> Report:
+def _run(
+    ctx: RunContext,
+    calibration: Calibration | None,
+    annotate: Callable[[Report, Path], None] | None = None,
+) -> Report:
     t_start = time.perf_counter()
     src = _resolve(ctx)
     weight_map = read_weight_map(src.path)
     if calibration is None and weight_map is not None and len(set(weight_map.values())) > 1:
-        return _run_parts(ctx, src, t_start)
+        return _run_parts(ctx, src, t_start, annotate)
     t0 = time.perf_counter()
     report(ctx.progress, "loading", 0, 1)
     hf_config = load_config(src.path)
@@ -173,12 +185,19 @@ def _run(ctx: RunContext, calibration: Calibration | None) -> Report:
         written = _write_artifacts(ctx, calibration, src.path, hf_config, reader, plans)
     ctx.timings["total"] = time.perf_counter() - t_start
     rep = build_report(ctx, src, hf_config, specs, plans, written)
+    if annotate is not None:
+        annotate(rep, ctx.tmp)
     rep.save(ctx.tmp / "report.json")
     report(ctx.progress, "packaging", 1, 1)
     return rep
 
 
-def _run_parts(ctx: RunContext, src: ResolvedSource, t_start: float) -> Report:
+def _run_parts(
+    ctx: RunContext,
+    src: ResolvedSource,
+    t_start: float,
+    annotate: Callable[[Report, Path], None] | None = None,
+) -> Report:
     """A sharded source (data-free): one part per shard, one after the other, assembled into
     sharded artifacts (higgs_engine.parts) exactly as parts run by many workers would be."""
     from higgs_engine.parts import assemble_parts, planned_layers, quantize_part, source_parts
@@ -220,6 +239,7 @@ def _run_parts(ctx: RunContext, src: ResolvedSource, t_start: float) -> Report:
             move=True,
             timings=ctx.timings,
             device=str(ctx.device),
+            annotate=annotate,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -10,7 +10,8 @@
     allocating  the exact DP allocator picks one llama.cpp type per tensor
     quantizing  llama_model_quantize with one exact-name override per tensor
     evaluating  (optional) perplexity / KL (or 1 - cos) in llama.cpp against the 16-bit file
-    packaging   report.json, then the output directory appears whole (atomic rename)
+    packaging   the caller's annotations (GgufRun.annotate), report.json (written once), then
+                the output directory appears whole (atomic rename)
 
 Rotation (`rotate`, llama-family decoders: higgs_engine/gguf/rotate.py): "on" converts the
 rotated checkpoint (RMSNorm weights folded into the linears, the residual stream rotated by a
@@ -34,7 +35,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,9 @@ class GgufRun:
     overwrite: bool = False
     rotate: str = DEFAULT_ROTATE
     rotation_seed: int = 0
+    # What the caller adds to the report, given the staged output directory (the GGUF file is
+    # there), before report.json is written and the directory renamed into place.
+    annotate: Callable[[Report, Path], None] | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -388,6 +392,8 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
     report(run.progress, "packaging", 0, 1)
     run.timings["total"] = time.perf_counter() - t_start
     rep = _report(run, src, hf_config, gf, written, t2, alphas, metrics)
+    if run.annotate is not None:
+        run.annotate(rep, tmp)
     rep.save(tmp / "report.json")
     report(run.progress, "packaging", 1, 1)
     return rep
