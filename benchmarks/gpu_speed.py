@@ -6,7 +6,7 @@ checkpoint:
 
 - uniform: `quantize_checkpoint` with the default `--bits 4` config (HIGGS p=2 n=256, random
   signs, MSE-searched unbiased scale) on each device;
-- dynamic: `run_dynamic` at `--avg-bits 4.13` with nothing cached (the data-free profile is
+- dynamic: `job.run` at `--avg-bits 4.13` with nothing cached (the data-free profile is
   measured from nothing: the model generates its text and runs the Fisher passes on the same
   device as the quantization) on each device where it is affordable (`--dynamic-cpu` lists the
   checkpoints whose dynamic run is also timed on the CPU);
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from higgs_engine.dynamic import run_dynamic
+from higgs_engine.job import QuantizeJob, run
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.plans import Target
@@ -149,9 +149,8 @@ def run_dynamic_once(src: Path, out: Path, device: str) -> dict[str, Any]:
     _sync(device)
     t0 = time.perf_counter()
     # no stores and no text cache: the profile is measured from nothing, on `device`
-    res = run_dynamic(src, out, Target(avg_bits=AVG_BITS), device=device)
+    rep = run(QuantizeJob(src, target=Target(avg_bits=AVG_BITS), device=device), out)
     _sync(device)
-    rep = res.report
     return {
         "run": f"dynamic --avg-bits {AVG_BITS}",
         "device": device,

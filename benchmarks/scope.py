@@ -1,5 +1,5 @@
 """scope=linear vs scope=all (token embedding and untied head quantized too), side by side in
-ONE run, through the engine's own pipeline (quantize_checkpoint / run_dynamic, real artifacts):
+ONE run, through the engine's own pipeline (quantize_checkpoint / job.run, real artifacts):
 
 1. uniform HIGGS --bits 4 (p=2 n=256) with each scope;
 2. dynamic HIGGS at the same WHOLE-MODEL bits per parameter for both scopes: for each size
@@ -115,7 +115,7 @@ def run_one(
     profile: Profile | None = None,
     native_too: bool = False,
 ) -> dict[str, Any]:
-    from higgs_engine.dynamic import run_dynamic
+    from higgs_engine.job import ProfileSource, QuantizeJob, run
     from higgs_engine.pipeline import quantize_checkpoint
     from higgs_engine.planning.plans import Target
 
@@ -123,7 +123,10 @@ def run_one(
     if avg_bits is None:
         rep: Report = quantize_checkpoint(ckpt, out, cfg)
     else:
-        rep = run_dynamic(ckpt, out, Target(avg_bits=avg_bits), cfg, profile=profile).report
+        job = QuantizeJob(
+            ckpt, cfg, target=Target(avg_bits=avg_bits), profile=ProfileSource(profile=profile)
+        )
+        rep = run(job, out)
     seconds = time.perf_counter() - t0
     quality = evaluator(out / "dequantized")
     rows = {r.name: r for r in rep.layers}

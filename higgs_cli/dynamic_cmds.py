@@ -1,8 +1,8 @@
 """Dynamic HIGGS verbs: `higgs profile`, `higgs plan`, and the dynamic targets of `higgs quantize`.
 
 `register` adds the `profile` and `plan` verbs; `add_quantize_args(parser)` and
-`dynamic_quantize(args, config, progress)` are the hooks `higgs quantize` calls for
---avg-bits / --max-ppl-increase. Heavy imports happen inside the handlers.
+`dynamic_job(args, config)` (the engine job for --avg-bits / --max-ppl-increase / --profile)
+are the hooks `higgs quantize` calls. Heavy imports happen inside the handlers.
 """
 
 from __future__ import annotations
@@ -320,71 +320,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def dynamic_quantize(
+def dynamic_job(
     args: argparse.Namespace,
     config: Any,
-    progress: Any,
     *,
     calibration: Any = None,
     calibration_text: str | None = None,
 ) -> Any:
-    """Run `higgs quantize` with a dynamic target, or uniform HIGGS with --profile (the report
-    then carries the predicted change); None when neither applies (the caller then runs plain
-    uniform HIGGS)."""
+    """The engine job (higgs_engine.job.QuantizeJob) of `higgs quantize` with a dynamic
+    target, or of uniform HIGGS with --profile (the report then carries the predicted change);
+    None when neither applies (the caller then builds plain uniform HIGGS's)."""
     target = dynamic_target(
         getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
     )
-    overwrite = bool(getattr(args, "overwrite", False))
-    if target is None:
-        if not getattr(args, "profile", None):
-            return None
-        prof = load_profile(args.profile)
-        from higgs_engine.pipeline import quantize_checkpoint
-        from higgs_engine.planning.plans import annotate_report
-
-        rep = quantize_checkpoint(
-            args.source,
-            Path(args.out),
-            config,
-            progress,
-            revision=args.revision,
-            token=args.token,
-            overwrite=overwrite,
-            device=getattr(args, "device", None),
-            calibration=calibration,
-        )
-        annotate_report(rep, prof)
-        rep.save(Path(args.out) / "report.json")
-        return rep
-    if getattr(args, "bits", None) is not None or getattr(args, "n", None) is not None:
+    if target is None and not getattr(args, "profile", None):
+        return None
+    if target is not None and (
+        getattr(args, "bits", None) is not None or getattr(args, "n", None) is not None
+    ):
         raise CliError(
             "--bits / --n fix one grid for every layer; drop them with --avg-bits or --max-ppl-increase"
         )
-    from higgs_engine.dynamic import profile_stores, run_dynamic
-    from higgs_engine.planning.options import option_menu
+    from higgs_engine.job import ProfileSource, QuantizeJob
 
-    if args.profile:
-        how: dict[str, Any] = {"profile": load_profile(args.profile)}
+    if target is None:
+        source = ProfileSource(profile=load_profile(args.profile))
     else:
-        text = read_text_option(args, "profile-")
-        if text is None and calibration_text is not None:
-            text = calibration_text  # profile and calibration share the user's text
-        how = {"profile_config": profile_config(args, "profile-"), "text": text}
-    cache = Path(args.profile_cache) if args.profile_cache else default_profile_cache()
-    result = run_dynamic(
+        from higgs_engine.dynamic import profile_stores
+        from higgs_engine.planning.options import option_menu
+
+        cache = Path(args.profile_cache) if args.profile_cache else default_profile_cache()
+        where: dict[str, Any] = {
+            "stores": tuple(profile_stores(cache)),
+            "selfgen_cache": cache,
+            "menu": tuple(option_menu(max_code_bits=args.max_code_bits)),
+        }
+        if args.profile:
+            source = ProfileSource(profile=load_profile(args.profile), **where)
+        else:
+            text = read_text_option(args, "profile-")
+            if text is None and calibration_text is not None:
+                text = calibration_text  # profile and calibration share the user's text
+            source = ProfileSource(config=profile_config(args, "profile-"), text=text, **where)
+    return QuantizeJob(
         args.source,
-        Path(args.out),
-        target,
         config,
-        **how,
-        stores=profile_stores(cache),
-        selfgen_cache=cache,
-        menu=option_menu(max_code_bits=args.max_code_bits),
-        progress=progress,
+        target=target,
+        calibration=calibration,
+        profile=source,
+        device=getattr(args, "device", None),
         revision=args.revision,
         token=args.token,
-        overwrite=overwrite,
-        device=getattr(args, "device", None),
-        calibration=calibration,
+        overwrite=bool(getattr(args, "overwrite", False)),
     )
-    return result.report

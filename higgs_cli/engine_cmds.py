@@ -279,7 +279,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return _quantize_gguf(args)
     cfg = _engine_config(args)  # validate before importing torch
     cal_text = _calibration_text(args)
-    from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.job import QuantizeJob, run
 
     quiet_libraries()
     noise = bool(getattr(args, "profile_noise", False))
@@ -287,27 +287,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     dyn = _dynamic_hooks()
     try:
         calibration = _calibration(args, cal_text, bars)
-        # A dynamic target (per-layer allocation) is handled by the dynamic hooks; they return
-        # None when the command asks for plain uniform HIGGS.
-        rep = (
-            dyn.dynamic_quantize(
-                args, cfg, bars, calibration=calibration, calibration_text=cal_text
-            )
+        # A dynamic target (per-layer allocation) or --profile: the dynamic hooks build the
+        # job; None when the command asks for plain uniform HIGGS.
+        job = (
+            dyn.dynamic_job(args, cfg, calibration=calibration, calibration_text=cal_text)
             if dyn is not None
             else None
         )
-        if rep is None:
-            rep = quantize_checkpoint(
+        if job is None:
+            job = QuantizeJob(
                 args.source,
-                Path(args.out),
                 cfg,
-                bars,
+                calibration=calibration,
+                device=args.device,
                 revision=args.revision,
                 token=args.token,
                 overwrite=args.overwrite,
-                device=args.device,
-                calibration=calibration,
             )
+        rep = run(job, Path(args.out), bars)
     finally:
         bars.close()
     if args.json:

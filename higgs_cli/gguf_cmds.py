@@ -103,13 +103,8 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     from higgs_engine.dynamic import profile_stores
     from higgs_engine.errors import InvalidConfigError
     from higgs_engine.evaluate import read_text
-    from higgs_engine.gguf.run import (
-        DEFAULT_ROTATE,
-        DEFAULT_SPLIT_BYTES,
-        GgufEvalRequest,
-        GgufRun,
-        quantize_gguf,
-    )
+    from higgs_engine.gguf.run import DEFAULT_ROTATE, GgufEvalRequest
+    from higgs_engine.job import GgufOptions, ProfileSource, QuantizeJob, gguf_run, run
 
     _check_args(args)
     target = dynamic_target(
@@ -125,37 +120,38 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
         )
     cache = Path(args.profile_cache) if getattr(args, "profile_cache", None) else None
     cache = cache or default_profile_cache()
-    kw: dict[str, Any] = {}
-    if target is not None:
-        if getattr(args, "profile", None):
-            kw["profile"] = load_profile(args.profile)
-        else:
-            kw["profile_config"] = profile_config(args, "profile-")
-            kw["profile_text"] = read_text_option(args, "profile-")
-    try:
-        run = GgufRun(
-            args.source,
-            Path(args.out),
-            bits=bits,
-            target=target,
-            ftype=args.ftype.upper() if args.ftype else None,
-            stores=profile_stores(cache),
-            selfgen_cache=cache,
-            evaluate=evaluate,
-            split_max_bytes=(
-                int(args.split_max_size * 1e9) if args.split_max_size else DEFAULT_SPLIT_BYTES
-            ),
-            revision=args.revision,
-            token=args.token,
-            progress=progress,
-            overwrite=args.overwrite,
-            rotate=getattr(args, "rotate", None) or DEFAULT_ROTATE,
-            **kw,
+    where: dict[str, Any] = {"stores": tuple(profile_stores(cache)), "selfgen_cache": cache}
+    if target is None:
+        source = ProfileSource(**where)
+    elif getattr(args, "profile", None):
+        source = ProfileSource(profile=load_profile(args.profile), **where)
+    else:
+        source = ProfileSource(
+            config=profile_config(args, "profile-"),
+            text=read_text_option(args, "profile-"),
+            **where,
         )
+    job = QuantizeJob(
+        args.source,
+        target=target,
+        profile=source,
+        revision=args.revision,
+        token=args.token,
+        overwrite=args.overwrite,
+        gguf=GgufOptions(
+            bits=bits,
+            ftype=args.ftype.upper() if args.ftype else None,
+            rotate=getattr(args, "rotate", None) or DEFAULT_ROTATE,
+            evaluate=evaluate,
+            split_max_bytes=int(args.split_max_size * 1e9) if args.split_max_size else None,
+        ),
+    )
+    try:
+        gguf_run(job, Path(args.out))  # the options checked before anything runs
     except InvalidConfigError as e:
         raise CliError(f"{_FLAG.get(e.field or '', '--format gguf')}: {e}") from None
     try:
-        return quantize_gguf(run)
+        return run(job, Path(args.out), progress)
     except InvalidConfigError as e:
         if e.field != "rotate":
             raise

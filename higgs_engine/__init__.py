@@ -1,6 +1,7 @@
 """HIGGS quantization engine: Hadamard rotation + MSE-optimal Gaussian grids, data-free.
 
-The public entry point is `quantize_checkpoint`; it is imported lazily so that light
+The public entry point is `run(QuantizeJob(...), out)` (higgs_engine.job: uniform, dynamic and
+GGUF jobs); `quantize_checkpoint` is its uniform stage. They are imported lazily so that light
 consumers (the API validating a config) do not pay for torch.
 """
 
@@ -15,6 +16,7 @@ from higgs_engine.report import LayerReport, Report
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from higgs_engine.job import ProfileSource, QuantizeJob, run
     from higgs_engine.pipeline import quantize_checkpoint
 
 
@@ -23,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from higgs_engine.pipeline import quantize_checkpoint
 
         return quantize_checkpoint
+    if name in ("ProfileSource", "QuantizeJob", "run"):
+        from higgs_engine import job
+
+        return getattr(job, name)
     raise AttributeError(name)
 
 
@@ -31,6 +37,9 @@ __all__ = [
     "HiggsError",
     "LayerOverride",
     "LayerReport",
+    "ProfileSource",
+    "QuantizeJob",
     "Report",
     "quantize_checkpoint",
+    "run",
 ]

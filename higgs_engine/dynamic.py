@@ -1,14 +1,15 @@
-"""Dynamic HIGGS end to end, the one entry point the CLI and the worker call:
+"""Dynamic HIGGS's stages before the quantization (higgs_engine.job.run runs them for a job
+with a target, then quantizes with the plan's config):
 
     profile     the model's sensitivity profile (alpha per layer): found in one of the caller's
                 stores (a cache directory, a file, the service's table), else measured here
                 (stage "profiling", resumable) and saved to every store
     allocate    the exact allocator for the target over the option menu (stage "allocating";
                 higgs_engine.planning.plans, torch-free)
-    quantize    quantize_checkpoint with one override per layer; the report gets each layer's
-                choice and alpha, the predicted metric change and the conversion used
 
-`run_dynamic` does all three; `obtain_profile` / `get_profile` the first alone.
+`plan_dynamic` does both; `obtain_profile` / `get_profile` the first alone; `annotate_dynamic`
+adds to the quantization's report each layer's choice and alpha, the predicted metric change
+and the conversion used.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from higgs_engine.calibration import Calibration
 
 DEFAULT_CONFIG = HiggsConfig()
 # A job needs the allocation, not the curve (POST /v1/plans and `higgs plan` draw that).
@@ -336,13 +336,6 @@ class DynamicPlan:
     allocating_s: float
 
 
-@dataclass(frozen=True)
-class DynamicResult:
-    report: Report  # also written to out_dir/report.json
-    profile: ProfileResult
-    plan: Plan
-
-
 def allocated_layers(path: Path, config: HiggsConfig) -> list[str]:
     """The layers the allocator chooses a grid for: the quantizable linear layers less
     `config.skip`, and with scope "all" the token embedding and an untied output head too (not
@@ -382,9 +375,15 @@ def plan_dynamic(
     token: str | None = None,
     device: str | None = None,
 ) -> DynamicPlan:
-    """Profile -> allocate: the stages of run_dynamic before the quantization (a single-worker
+    """Profile -> allocate: a dynamic job's stages before the quantization (a single-worker
     stage; the quantization with the plan's config may then run part by part anywhere).
-    Arguments as run_dynamic's; `device` is where the profile is measured."""
+
+    `profile` is used as given (no lookup); otherwise obtain_profile with `stores` (where
+    profiles are found and kept) measures the layers `base` quantizes, or those `profile_skip`
+    leaves (() = every layer, so that one profile serves every job), with the token embedding
+    and an untied head when base.scope is "all" (allocated like any layer), on `device`.
+    `menu` is the allocator's option menu (default: planning.options.option_menu(), every
+    shipped grid and 16-bit)."""
     from higgs_engine.sources import resolve_source
 
     if profile is not None:
@@ -421,7 +420,7 @@ def plan_dynamic(
 
 
 def annotate_dynamic(rep: Report, planned: DynamicPlan, target: Target) -> Report:
-    """What run_dynamic adds to the quantization's report: alphas and predicted change, the
+    """What a dynamic job adds to the quantization's report: alphas and predicted change, the
     allocation, the target, and the profiling / allocating seconds."""
     annotate_report(rep, planned.profile.profile, planned.plan.allocation)
     rep.metrics["target"] = target.to_dict()
@@ -432,68 +431,3 @@ def annotate_dynamic(rep: Report, planned: DynamicPlan, target: Target) -> Repor
         if planned.profile.generating_s:
             rep.timings["generating"] = planned.profile.generating_s
     return rep
-
-
-def run_dynamic(
-    source: str | Path,
-    out_dir: Path,
-    target: Target,
-    base: HiggsConfig = DEFAULT_CONFIG,
-    *,
-    profile: Profile | None = None,
-    profile_config: ProfileConfig = DEFAULT_PROFILE,
-    text: str | None = None,
-    stores: Sequence[ProfileStore] = (),
-    selfgen_cache: Path | None = None,
-    profile_skip: Sequence[str] | None = None,
-    menu: Sequence[Option] | None = None,
-    resolution: float = 1e-4,
-    progress: ProgressCallback | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    overwrite: bool = False,
-    device: str | None = None,
-    calibration: Calibration | None = None,
-) -> DynamicResult:
-    """Profile -> allocate -> quantize -> annotated report.
-
-    `profile` is used as given (no lookup); otherwise obtain_profile with `stores` (where
-    profiles are found and kept) measures the layers `base` quantizes, or those `profile_skip`
-    leaves (() = every layer, so that one profile serves every job), with the token embedding
-    and an untied head when base.scope is "all" (allocated like any layer). `menu` is the allocator's
-    option menu (default: planning.options.option_menu(), every shipped grid and 16-bit).
-    With `calibration`, calibrated HIGGS (GPTQ with each layer's allocated grid).
-    """
-    from higgs_engine.pipeline import quantize_checkpoint
-
-    planned = plan_dynamic(
-        source,
-        target,
-        base,
-        profile=profile,
-        profile_config=profile_config,
-        text=text,
-        stores=stores,
-        selfgen_cache=selfgen_cache,
-        profile_skip=profile_skip,
-        menu=menu,
-        resolution=resolution,
-        progress=progress,
-        revision=revision,
-        token=token,
-        device=device,
-    )
-    rep = quantize_checkpoint(
-        source,
-        out_dir,
-        planned.config,
-        progress,
-        revision=revision,
-        token=token,
-        overwrite=overwrite,
-        device=device,
-        calibration=calibration,
-    )
-    annotate_dynamic(rep, planned, target)
-    rep.save(Path(out_dir) / "report.json")
-    return DynamicResult(rep, planned.profile, planned.plan)

@@ -1,5 +1,5 @@
-"""Dynamic HIGGS jobs in the worker: the engine's run_dynamic (profile -> allocate ->
-quantize) with the service's profile store and the job's option menu.
+"""Dynamic HIGGS jobs in the worker: the engine's job (higgs_engine.job: profile -> allocate
+-> quantize) with the service's profile store and the job's option menu.
 
     profiling   the model's sensitivity profile (alpha per layer), with the job's progress
                 callback (done/total = layers), so the job can be cancelled between layers; an
@@ -7,7 +7,7 @@ quantize) with the service's profile store and the job's option menu.
                 profiles table (or the engine's cache directory) already has a complete profile
                 for the same model revision, metric, calibration data and token budget.
     allocating  the exact DP allocator for the job's target over option_menu(options.p)
-    quantizing  quantize_checkpoint with one override per layer (HiggsConfig.overrides)
+    quantizing  the uniform stage with one override per layer (HiggsConfig.overrides)
 
 The report gets each layer's alpha and the predicted metric change from the layers' measured
 t^2 (higgs_engine.planning.plans.annotate_report), including which KL -> perplexity conversion
@@ -46,6 +46,7 @@ from worker.models import ModelSource
 
 if TYPE_CHECKING:
     from higgs_engine.dynamic import DynamicPlan
+    from higgs_engine.job import ProfileSource
 
 SessionFactory = sessionmaker[Session]
 
@@ -193,6 +194,28 @@ def profile_stores(
     ]
 
 
+def job_profile_source(
+    sessions: SessionFactory,
+    source: ModelSource,
+    requested_revision: str | None,
+    menu_p: int | None,
+    ps: ProfileSettings,
+) -> ProfileSource:
+    """Where a dynamic job's profile comes from: the service's stores, every layer profiled
+    (one profile serves every job of the model), the job's option menu."""
+    from higgs_engine.job import ProfileSource
+
+    return ProfileSource(
+        config=ps.engine_config(),
+        text=ps.text(),
+        stores=tuple(profile_stores(sessions, source, requested_revision, ps)),
+        selfgen_cache=ps.cache_dir,
+        skip=(),
+        menu=tuple(option_menu(menu_p)),
+        resolution=ps.resolution,
+    )
+
+
 def plan_dynamic_job(
     sessions: SessionFactory,
     source: ModelSource,
@@ -204,67 +227,34 @@ def plan_dynamic_job(
     progress: ProgressCallback | None,
     device: str | None = None,
 ) -> DynamicPlan:
-    """The engine's plan_dynamic for the job: every layer profiled (one profile serves every
-    job of the model, on the job's device), the job's menu, the service's stores."""
+    """The engine's plan_dynamic for the job (job_profile_source, on the job's device): what
+    a fanned-out job's parts quantize with."""
     from higgs_engine.dynamic import plan_dynamic
 
+    how = job_profile_source(sessions, source, requested_revision, menu_p, ps)
     return plan_dynamic(
         source.path,
         Target(**target),
         engine_cfg,
-        profile_config=ps.engine_config(),
-        text=ps.text(),
-        stores=profile_stores(sessions, source, requested_revision, ps),
-        selfgen_cache=ps.cache_dir,
-        profile_skip=(),
-        menu=option_menu(menu_p),
-        resolution=ps.resolution,
+        profile_config=how.config,
+        text=how.text,
+        stores=how.stores,
+        selfgen_cache=how.selfgen_cache,
+        profile_skip=how.skip,
+        menu=how.menu,
+        resolution=how.resolution,
         progress=progress,
         device=device,
     )
 
 
-def finish_dynamic_report(
-    report: Report, planned: DynamicPlan, target: dict[str, float], source: ModelSource
-) -> Report:
-    """The engine's annotations of a dynamic run, and where the profile came from."""
-    from higgs_engine.dynamic import annotate_dynamic
-
-    annotate_dynamic(report, planned, Target(**target))
-    report.metrics.setdefault("service", {})["profile"] = {
+def profile_entry(planned: DynamicPlan, source: ModelSource) -> dict[str, Any]:
+    """The report's metrics.service.profile of a dynamic job: where its profile came from."""
+    return {
         "reused": planned.profile.reused,
         "seconds": round(planned.profile.seconds, 4),
         "revision": profile_revision(source),
     }
-    return report
-
-
-def quantize_dynamic(
-    sessions: SessionFactory,
-    source: ModelSource,
-    requested_revision: str | None,
-    out: Path,
-    engine_cfg: HiggsConfig,
-    target: dict[str, float],
-    menu_p: int | None,
-    ps: ProfileSettings,
-    progress: ProgressCallback,
-    device: str | None = None,
-    calibration: Any = None,
-) -> Report:
-    """Profile -> allocate -> quantize for the job (as the engine's run_dynamic); the report
-    says where the profile came from."""
-    from higgs_engine.pipeline import quantize_checkpoint
-
-    planned = plan_dynamic_job(
-        sessions, source, requested_revision, engine_cfg, target, menu_p, ps, progress, device
-    )
-    report = quantize_checkpoint(
-        source.path, out, planned.config, progress, device=device, calibration=calibration
-    )
-    finish_dynamic_report(report, planned, target, source)
-    report.save(out / "report.json")
-    return report
 
 
 def annotate_uniform(

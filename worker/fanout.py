@@ -68,6 +68,7 @@ from worker.publish import drop_other_attempts
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
 
 if TYPE_CHECKING:
+    from higgs_engine.report import Report
     from worker.models import ModelSource
 
 log = logging.getLogger("worker.fanout")
@@ -364,6 +365,35 @@ def assemble(
                 shards=None if job_cfg.is_dynamic else (),
             )
             out = staging / "out"
+
+            def annotate(report: Report, _staged: Path) -> None:
+                if job_cfg.is_dynamic:
+                    _annotate_dynamic(sessions, claimed, job_cfg, source, engine_cfg, report, cfg)
+                elif cfg.profiles is not None:
+                    from worker.dynamic import annotate_uniform
+
+                    annotate_uniform(sessions, source, cfg.profiles, report)
+                report.metrics["parts"] = [
+                    {
+                        "index": v.idx,
+                        "shards": v.shards,
+                        "worker_id": v.worker_id,
+                        "seconds": v.seconds,
+                        "attempts": v.attempts,
+                    }
+                    for v in views
+                ]
+                report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
+                report.metrics.setdefault("service", {}).update(
+                    {
+                        "worker_id": worker_id,
+                        "assembly_trigger": trigger,
+                        "assembly_wall_s": round(time.perf_counter() - t0, 4),
+                    }
+                )
+
+            # report.json is written once, with the service's entries, before anything is
+            # published.
             report = assemble_metadata(
                 source.path,
                 metas,
@@ -371,32 +401,8 @@ def assemble(
                 engine_cfg,
                 resolved=ResolvedSource(source.path, source.id, source.revision, source.kind),  # type: ignore[arg-type]
                 device=cfg.device,
+                annotate=annotate,
             )
-            if job_cfg.is_dynamic:
-                _annotate_dynamic(sessions, claimed, job_cfg, source, engine_cfg, report, cfg)
-            elif cfg.profiles is not None:
-                from worker.dynamic import annotate_uniform
-
-                annotate_uniform(sessions, source, cfg.profiles, report)
-            report.metrics["parts"] = [
-                {
-                    "index": v.idx,
-                    "shards": v.shards,
-                    "worker_id": v.worker_id,
-                    "seconds": v.seconds,
-                    "attempts": v.attempts,
-                }
-                for v in views
-            ]
-            report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
-            report.metrics.setdefault("service", {}).update(
-                {
-                    "worker_id": worker_id,
-                    "assembly_trigger": trigger,
-                    "assembly_wall_s": round(time.perf_counter() - t0, 4),
-                }
-            )
-            report.save(out / "report.json")
             rows = _publish_small_files(at, store, uri, out, formats, metas)
             record_success(at, report, rows, source.revision)
         drop_other_attempts(at, uri, uri_path(uri) if store.on_disk else out)
@@ -514,7 +520,9 @@ def _annotate_dynamic(
     """A dynamic job's report annotations (alphas, predicted change, allocation, target): the
     coordinator's plan derived again from the stored profile (deterministic: same profile,
     target and menu give the same allocation), checked against the config the parts used."""
-    from worker.dynamic import finish_dynamic_report, job_menu_p, plan_dynamic_job
+    from higgs_engine.dynamic import annotate_dynamic
+    from higgs_engine.planning.plans import Target
+    from worker.dynamic import job_menu_p, plan_dynamic_job, profile_entry
 
     requested = (claimed.request.get("model") or {}).get("revision")
     planned = plan_dynamic_job(
@@ -529,4 +537,5 @@ def _annotate_dynamic(
     )
     if planned.config.to_dict() != engine_cfg.to_dict():
         raise HiggsError("the dynamic plan derived at assembly differs from the parts' plan")
-    finish_dynamic_report(report, planned, dict(job_cfg.target), source)
+    annotate_dynamic(report, planned, Target(**dict(job_cfg.target)))
+    report.metrics.setdefault("service", {})["profile"] = profile_entry(planned, source)

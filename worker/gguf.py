@@ -1,6 +1,6 @@
-"""GGUF jobs in the worker (options.formats ["gguf"]): the engine's quantize_gguf with the
-service's profile stores, the job's target and, with options.evaluate, the worker's evaluation
-text run in llama.cpp.
+"""GGUF jobs in the worker (options.formats ["gguf"]): the engine's job (higgs_engine.job,
+GgufOptions) with the service's profile stores, the job's target and, with options.evaluate,
+the worker's evaluation text run in llama.cpp.
 
     resolving / converting / profiling / measuring / allocating / quantizing / evaluating /
     packaging, as higgs_engine.gguf.run describes; the profile (token embedding and head
@@ -11,8 +11,8 @@ A GGUF job never fans out: llama.cpp's converter reads the whole checkpoint in o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.plans import Target
@@ -35,23 +35,28 @@ def quantize_gguf_job(
     eval_context: int | None = None,
     eval_windows: int | None = None,
     rotate: str | None = None,
+    annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
-    """The GGUF file of the job into `out`/gguf with `out`/report.json."""
+    """The GGUF file of the job into `out`/gguf with `out`/report.json, written once with the
+    service's profile entry and then `annotate`'s (the caller's) in it."""
     from higgs_engine.evaluate import read_text
-    from higgs_engine.gguf.run import GgufEvalRequest, GgufRun, quantize_gguf
+    from higgs_engine.gguf.run import DEFAULT_ROTATE, GgufEvalRequest
+    from higgs_engine.job import GgufOptions, ProfileSource, QuantizeJob, run
 
     kind, value = next(iter(target.items()))
-    kw: dict[str, Any] = {}
+    bits = None
+    planning_target = None
+    profile = ProfileSource()
     if kind == "bits":
-        kw["bits"] = float(value)
+        bits = float(value)
     else:
         if ps is None:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
-        kw.update(
-            target=Target(**{kind: float(value)}),
-            profile_config=ps.engine_config(),
-            profile_text=ps.text(),
-            stores=profile_stores(sessions, source, requested_revision, ps),
+        planning_target = Target(**{kind: float(value)})
+        profile = ProfileSource(
+            config=ps.engine_config(),
+            text=ps.text(),
+            stores=tuple(profile_stores(sessions, source, requested_revision, ps)),
             selfgen_cache=ps.cache_dir,
         )
     evaluate = None
@@ -62,9 +67,20 @@ def quantize_gguf_job(
             context=eval_context,
             windows=eval_windows,
         )
-    if rotate is not None:
-        kw["rotate"] = rotate
-    report = quantize_gguf(GgufRun(source.path, out, progress=progress, evaluate=evaluate, **kw))
-    if kind != "bits":
-        report.metrics.setdefault("service", {})["profile"] = {"revision": profile_revision(source)}
-    return report
+
+    def annotate_job(report: Report, staged: Path) -> None:
+        if planning_target is not None:
+            report.metrics.setdefault("service", {})["profile"] = {
+                "revision": profile_revision(source)
+            }
+        if annotate is not None:
+            annotate(report, staged)
+
+    job = QuantizeJob(
+        source.path,
+        target=planning_target,
+        profile=profile,
+        gguf=GgufOptions(bits=bits, rotate=rotate or DEFAULT_ROTATE, evaluate=evaluate),
+        annotate=annotate_job,
+    )
+    return run(job, out, progress)

@@ -3,8 +3,11 @@
     claim (compare-and-set queued -> running; worker.attempt)
       -> resolve the model (local name under models_dir, or Hub id pinned to a commit sha)
       -> a sharded source may fan out into parts here (worker.fanout); otherwise:
-      -> the engine's entry point, with a progress callback (worker.progress) that writes
-         stage / progress / heartbeat and asks the engine to stop when cancel was requested
+      -> the engine's entry point with the job's QuantizeJob, with a progress callback
+         (worker.progress) that writes stage / progress / heartbeat and asks the engine to
+         stop when cancel was requested; the service's report entries (and options.evaluate's
+         metrics, measured on the staged native artifact) go in through the job's annotate,
+         before report.json is written
       -> publish the artifacts (one rename, or an upload under a key no row names yet) with
          a sha256 per file (worker.publish)
       -> app.jobs.state.succeed (report, layers, artifact rows in one transaction)
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
 
@@ -44,13 +47,23 @@ from worker.attempt import (
 from worker.calibration import load_job_calibration
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
-from worker.dynamic import annotate_uniform, job_menu_p, plan_dynamic_job, quantize_dynamic
+from worker.dynamic import (
+    annotate_uniform,
+    job_menu_p,
+    job_profile_source,
+    plan_dynamic_job,
+    profile_entry,
+)
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
 from worker.storage import storage_recovered, wait_for_storage, wait_for_store
+
+if TYPE_CHECKING:
+    from higgs_engine.dynamic import DynamicPlan
+    from higgs_engine.report import Report
 
 log = logging.getLogger("worker.runner")
 
@@ -140,7 +153,8 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         attempt.claimed.request,
         attempt.claimed.pinned,
     )
-    from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.job import ProfileSource, QuantizeJob, run
+    from higgs_engine.planning.plans import Target
     from worker.models import resolve_model
 
     if writer("resolving", 0, 1) is False:
@@ -221,38 +235,43 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     out = staging / "out"
     t0 = time.perf_counter()
 
-    if job_cfg.is_dynamic:
-        report = quantize_dynamic(
-            sessions,
-            source,
-            requested,
-            out,
-            engine_cfg,
-            dict(job_cfg.target),
-            job_menu_p(job_cfg, request),
-            cfg.profile_settings(),
-            writer,
-            device=cfg.device,
-            calibration=calibration,
-        )
-    else:
-        report = quantize_checkpoint(
-            source.path, out, engine_cfg, writer, device=cfg.device, calibration=calibration
-        )
-        if cfg.profiles is not None:
+    planned: list[DynamicPlan] = []
+
+    def annotate(report: Report, staged: Path) -> None:
+        engine_s = time.perf_counter() - t0
+        if planned:
+            report.metrics.setdefault("service", {})["profile"] = profile_entry(planned[0], source)
+        elif cfg.profiles is not None:
             annotate_uniform(sessions, source, cfg.profiles, report)
-    engine_s = time.perf_counter() - t0
-    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
-    report.metrics.setdefault("service", {}).update(
-        {"worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
+        report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+        report.metrics.setdefault("service", {}).update(
+            {"worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
+        )
+        if evaluate:
+            t1 = time.perf_counter()
+            es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
+            report.metrics.update(evaluate_artifact(source.path, staged / "native", es, writer))
+            report.timings["evaluating"] = time.perf_counter() - t1
+
+    dynamic = job_cfg.is_dynamic
+    job = QuantizeJob(
+        source.path,
+        engine_cfg,
+        target=Target(**dict(job_cfg.target)) if dynamic else None,
+        calibration=calibration,
+        profile=(
+            job_profile_source(
+                sessions, source, requested, job_menu_p(job_cfg, request), cfg.profile_settings()
+            )
+            if dynamic
+            else ProfileSource()
+        ),
+        device=cfg.device,
+        annotate=annotate,
+        on_plan=planned.append,
     )
-    if evaluate:
-        t1 = time.perf_counter()
-        es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
-        report.metrics.update(evaluate_artifact(source.path, out / "native", es, writer))
-        report.timings["evaluating"] = time.perf_counter() - t1
-    if (out / "report.json").exists():
-        report.save(out / "report.json")
+    report = run(job, out, writer)
+    engine_s = float(report.metrics["service"]["engine_wall_s"])
     final = publish_result(attempt, out, report, list(engine_cfg.formats), source.revision)
     log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
     return final
@@ -272,6 +291,14 @@ def _run_gguf(
     attempt.staging.mkdir(parents=True, exist_ok=True)
     out = attempt.staging / "out"
     t0 = time.perf_counter()
+
+    def annotate(report: Report, _staged: Path) -> None:
+        engine_s = time.perf_counter() - t0
+        report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+        report.metrics.setdefault("service", {}).update(
+            {"worker_id": attempt.worker_id, "engine_wall_s": round(engine_s, 4)}
+        )
+
     report = quantize_gguf_job(
         attempt.sessions,
         source,
@@ -284,13 +311,9 @@ def _run_gguf(
         eval_context=cfg.eval_context,
         eval_windows=cfg.eval_windows,
         rotate=job_cfg.gguf_rotate,
+        annotate=annotate,
     )
-    engine_s = time.perf_counter() - t0
-    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
-    report.metrics.setdefault("service", {}).update(
-        {"worker_id": attempt.worker_id, "engine_wall_s": round(engine_s, 4)}
-    )
-    report.save(out / "report.json")
+    engine_s = float(report.metrics["service"]["engine_wall_s"])
     final = publish_result(attempt, out, report, ["gguf"], source.revision)
     log.info("job %s: succeeded in %.2f s (engine, gguf)", attempt.job_id, engine_s)
     return final

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from higgs_engine.dynamic import run_dynamic
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
+from higgs_engine.job import ProfileSource, QuantizeJob, run
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.options import option_menu
 from higgs_engine.planning.plans import (
@@ -124,21 +124,19 @@ def test_config_with_allocation_keeps_other_overrides() -> None:
     assert [o.name for o in cfg.overrides] == ["z", "a", "b"]
 
 
-def test_run_dynamic_writes_allocation_alphas_and_prediction(
+def test_dynamic_job_writes_allocation_alphas_and_prediction(
     ckpt: Path, profile_file: Path, tmp_path: Path
 ) -> None:
     prof = Profile.load(profile_file)
     stages: list[str] = []
-    run_dynamic(
+    job = QuantizeJob(
         ckpt,
-        tmp_path / "out",
-        Target(avg_bits=2.5),
         HiggsConfig(),
-        profile=prof,
+        target=Target(avg_bits=2.5),
         # small grids only: their nearest-point tables build fast
-        menu=option_menu(max_code_bits=3.0),
-        progress=lambda s, d, t: stages.append(s),
+        profile=ProfileSource(profile=prof, menu=tuple(option_menu(max_code_bits=3.0))),
     )
+    run(job, tmp_path / "out", lambda s, d, t: stages.append(s))
     assert stages.index("allocating") < stages.index("quantizing")
     saved = Report.load(tmp_path / "out" / "report.json")
     # the allocator's size model is the artifact's: the real bits (scales, grids, 16-bit layers)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from higgs_engine.artifacts import load_model, save_native
-from higgs_engine.dynamic import allocated_layers, run_dynamic
+from higgs_engine.dynamic import allocated_layers
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.job import ProfileSource, QuantizeJob, run
 from higgs_engine.model_structure import embedding_specs, load_config, scope_specs
 from higgs_engine.modules import HiggsEmbedding, HiggsLinear
 from higgs_engine.pipeline import quantize_checkpoint
@@ -154,16 +155,17 @@ def test_dynamic_scope_all_allocates_the_embedding(llama_ckpt: Path, tmp_path: P
     names = allocated_layers(llama_ckpt, base)
     assert names[-2:] == ["model.embed_tokens", "lm_head"]
     assert "model.embed_tokens" not in allocated_layers(llama_ckpt, HiggsConfig())
-    res = run_dynamic(
+    job = QuantizeJob(
         llama_ckpt,
-        tmp_path / "out",
-        Target(avg_bits=2.5),
         base,
-        profile_config=ProfileConfig(data_free="random", context=32, windows=2),
-        stores=[ProfileDirectory(tmp_path / "profiles")],
-        menu=option_menu(max_code_bits=3.0),
+        target=Target(avg_bits=2.5),
+        profile=ProfileSource(
+            config=ProfileConfig(data_free="random", context=32, windows=2),
+            stores=(ProfileDirectory(tmp_path / "profiles"),),
+            menu=tuple(option_menu(max_code_bits=3.0)),
+        ),
     )
-    alloc = res.report.metrics["allocation"]
+    alloc = run(job, tmp_path / "out").metrics["allocation"]
     assert set(alloc["layers"]) == set(names)
     assert alloc["avg_bits"] <= 2.5 + 1e-9
     rep = Report.load(tmp_path / "out" / "report.json")
