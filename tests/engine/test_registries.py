@@ -90,6 +90,16 @@ def test_registered_formats_are_the_names_the_config_accepts() -> None:
     assert exc.value.field == "formats"
 
 
+def test_the_api_offers_the_registered_formats_and_gguf() -> None:
+    """The API's options.formats names (app/jobs/schemas.Format) are the registry's streaming
+    formats plus gguf (the whole-file path): a format added to one is offered by the other."""
+    from typing import get_args
+
+    from app.jobs.schemas import Format
+
+    assert set(get_args(Format)) == {*FORMATS, "gguf"}
+
+
 def test_registered_methods_are_named_by_their_keys() -> None:
     assert set(METHODS) >= {"higgs", "higgs-gptq", "rtn", "nf4", "gptq-int4"}
     assert all(m.name == name for name, m in METHODS.items())
