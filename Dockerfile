@@ -4,7 +4,9 @@
 #   --target worker  the Celery worker: the `worker` extra with CUDA torch (runs on the CPU when
 #                    no GPU is present)
 # Both install the project as a wheel (no editable install, no source tree on the import path);
-# the `higgs` command exists in both, and the migrations ship inside the package.
+# the `higgs` command exists in both, and the migrations ship inside the package. The versions
+# are those of requirements.lock (the tested set, taken as pip constraints: each image installs
+# only what its extra needs).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -47,7 +49,9 @@ RUN pip download --no-deps --no-binary :all: "llama-cpp-python==${LLAMA_CPP_VERS
 # ---------------------------------------------------------------- API (light: no torch)
 FROM base AS api
 COPY --from=wheel /wheels /wheels
-RUN pip install --find-links /wheels "higgs-service[api]" && rm -rf /wheels
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --find-links /wheels -c /tmp/requirements.lock "higgs-service[api]" \
+    && rm -rf /wheels /tmp/requirements.lock
 # `alembic upgrade head` (the compose migrate service) reads alembic.ini from the working
 # directory; env.py and the revisions are the same files the package ships.
 WORKDIR /app
@@ -73,8 +77,11 @@ COPY --from=llama /llama/wheels /wheels
 # The engine finds llama.cpp's converter under <prefix>/share/higgs-service/llama.cpp; its
 # gguf-py (the same llama.cpp commit) replaces PyPI's gguf.
 COPY --from=llama /llama/convert /usr/local/share/higgs-service/llama.cpp
-RUN pip install --find-links /wheels "higgs-service[worker]" "torch==${TORCH_VERSION}" \
-    && pip install --no-deps /usr/local/share/higgs-service/llama.cpp/gguf-py && rm -rf /wheels
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --find-links /wheels -c /tmp/requirements.lock "higgs-service[worker]" \
+       "torch==${TORCH_VERSION}" \
+    && pip install --no-deps /usr/local/share/higgs-service/llama.cpp/gguf-py \
+    && rm -rf /wheels /tmp/requirements.lock
 WORKDIR /app
 USER higgs
 ENV HIGGS_DATA_DIR=/data \

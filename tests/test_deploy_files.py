@@ -293,3 +293,86 @@ def test_transformers_floor_has_the_dtype_keyword() -> None:
     version = tuple(int(x) for x in m.group(1).split("."))
     # 4.56.0 is the first release whose from_pretrained/_from_config read `dtype=`.
     assert version >= (4, 56)
+
+
+# ---------------------------------------------------------------- the lock (requirements.lock)
+
+LOCK = REPO / "requirements.lock"
+
+
+def _lock_pins() -> dict[str, str]:
+    """Distribution name (normalised) -> pinned version, from requirements.lock."""
+    pins: dict[str, str] = {}
+    for line in LOCK.read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line)
+            assert m, f"requirements.lock: not an exact pin: {line!r}"
+            pins[_name(m.group(1)).replace(".", "-")] = m.group(2)
+    return pins
+
+
+def test_lock_pins_every_dependency_pyproject_names() -> None:
+    from packaging.requirements import Requirement
+
+    pins = _lock_pins()
+    named = list(PYPROJECT["project"]["dependencies"])
+    for reqs in EXTRAS.values():
+        named += [r for r in reqs if _name(r) != "higgs-service"]
+    for text in named:
+        req = Requirement(text)
+        key = _name(req.name)
+        assert key in pins, f"requirements.lock has no pin for {req.name} (pyproject: {text!r})"
+        assert req.specifier.contains(pins[key], prereleases=True), (
+            f"requirements.lock pins {req.name}=={pins[key]}, outside pyproject's {text!r}"
+        )
+
+
+def test_lock_torch_is_the_tested_version_and_no_cuda_wheels() -> None:
+    pins = _lock_pins()
+    setup = (REPO / "scripts" / "setup").read_text()
+    tested = re.search(r"TORCH_SPEC=\$\{TORCH_SPEC:-torch==([0-9.]+)\}", setup)
+    assert tested, "TORCH_SPEC default in scripts/setup not found"
+    # `torch==X` without a local version: both the CPU and the CUDA build satisfy it.
+    assert pins["torch"] == tested.group(1)
+    cuda = sorted(n for n in pins if n.startswith(("nvidia-", "triton", "cuda-")))
+    assert cuda == [], f"requirements.lock pulls CUDA packages: {cuda}"
+    llama = re.search(r"^V=\$\{LLAMA_CPP_VERSION:-([0-9.]+)\}", _script("install_llama_cpp"), re.M)
+    assert llama and pins["llama-cpp-python"] == llama.group(1)
+
+
+def _script(name: str) -> str:
+    return (REPO / "scripts" / name).read_text()
+
+
+def test_setup_installs_torch_first_then_the_lock_then_the_project_alone() -> None:
+    lines = [ln for ln in _script("setup").splitlines() if not ln.lstrip().startswith("#")]
+    text = "\n".join(lines)
+    torch_at = text.index('pip install -q "${torch_args[@]}"')
+    llama_at = text.index("./scripts/install_llama_cpp")
+    lock_at = text.index("pip install -q -r requirements.lock")
+    project_at = text.index("pip install -q --no-deps -e .")
+    assert torch_at < llama_at < lock_at < project_at
+    # Nothing else resolves dependencies of its own (only the lock's versions get in).
+    assert not re.search(r'pip install[^\n]*"\.\[', text), "setup installs the extras unlocked"
+
+
+def test_images_take_the_lock_as_constraints() -> None:
+    for stage in ("api", "worker"):
+        cmds = [c for c in _pip_installs(stage) if "higgs-service[" in c]
+        assert cmds and all("-c /tmp/requirements.lock" in c for c in cmds), (stage, cmds)
+    assert "COPY requirements.lock /tmp/requirements.lock" in DOCKERFILE.read_text()
+
+
+def test_the_environment_is_the_locked_set() -> None:
+    """The tests run with the versions the lock names (scripts/setup installs them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    wrong = {}
+    for name, pinned in _lock_pins().items():
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = "missing"
+        if have.split("+")[0] != pinned:
+            wrong[name] = f"lock {pinned}, installed {have}"
+    assert wrong == {}, f"the environment differs from requirements.lock: {wrong}"
