@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from kombu import Connection
+from kombu.connection import Connection
 
 from app.settings import TASK_NAME, Settings
 
@@ -71,7 +71,7 @@ def enqueue_job(settings: Settings, job_id: str, queue: str | None = None) -> bo
 @contextmanager
 def _connected(settings: Settings) -> Iterator[Connection]:
     """A kombu connection to the broker, established (one try, settings.broker_timeout_s)."""
-    with Connection(
+    with Connection(  # type: ignore[no-untyped-call]
         settings.broker_url,
         transport_options=client_transport_options(settings),
         connect_timeout=settings.broker_timeout_s,

@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from higgs_engine.errors import (
     CorruptCheckpointError,
@@ -325,7 +325,7 @@ def _load_plain(path: Path, dtype: torch.dtype | None) -> nn.Module:
         model = cls.from_pretrained(str(path), dtype=dtype if dtype is not None else "auto")  # type: ignore[attr-defined]
     except (OSError, ValueError, RuntimeError) as exc:
         raise CorruptCheckpointError(f"cannot load the checkpoint in {str(path)!r}: {exc}") from exc
-    return model
+    return cast("nn.Module", model)
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -349,7 +349,7 @@ class _WeightFiles:
                 handle = safe_open(str(path / name), framework="pt")
             except (SafetensorError, OSError) as exc:
                 raise CorruptCheckpointError(f"cannot read {str(path / name)!r}: {exc}") from exc
-            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            for key in handle.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 - a safetensors handle, not a dict
                 if key in self._where:
                     raise CorruptCheckpointError(
                         f"tensor {key!r} appears in more than one shard of {str(path)!r}"
@@ -365,7 +365,7 @@ class _WeightFiles:
         return list(self._where)
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        return self._where[key].get_tensor(key)
+        return cast("torch.Tensor", self._where[key].get_tensor(key))
 
 
 def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
@@ -458,7 +458,7 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         "grids": grids,
         "dir": str(path),
     }
-    return model
+    return cast("nn.Module", model)
 
 
 # A quantization_config layer entry's keys that are not the QuantizedMatrix's meta.

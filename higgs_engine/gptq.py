@@ -152,7 +152,8 @@ def _inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64)
             f"the damped Hessian is not positive definite ({e}); raise damp"
         ) from e
     eye = torch.eye(h.shape[0], dtype=dtype)
-    return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
+    inv: torch.Tensor = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
+    return inv
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -166,7 +167,8 @@ def _pair_inverses(U: torch.Tensor, p: int) -> torch.Tensor:
     in_f = U.shape[0]
     idx = torch.arange(0, in_f, p)
     diag = torch.stack([U[idx + a, idx + b] for a in range(p) for b in range(p)], 1)
-    return torch.linalg.inv(diag.reshape(-1, p, p))
+    inv: torch.Tensor = torch.linalg.inv(diag.reshape(-1, p, p))
+    return inv
 
 
 def _sweep_grid(
@@ -201,8 +203,8 @@ def _sweep_grid(
         w1 = wt[i1:i2]  # (B, out), a view: updated in place
         err = torch.empty_like(w1)
         u1t = U[i1:i2, i1:i2].T.contiguous()  # (B, B), lower
-        ws, errs = w1.split(p), err.split(p)
-        invs, scs = inv_t[i1:i2].split(p), s_t[i1:i2].split(p)
+        ws, errs = torch.split(w1, p), torch.split(err, p)
+        invs, scs = torch.split(inv_t[i1:i2], p), torch.split(s_t[i1:i2], p)
         for t in range(steps):
             w = ws[t]  # (p, out), sees the in-block updates
             c = search(w * invs[t])  # (out,)

@@ -47,7 +47,8 @@ def _pdf(x: torch.Tensor) -> torch.Tensor:
 
 def _sf(x: torch.Tensor) -> torch.Tensor:
     # Survival function via erfc keeps relative accuracy in the upper tail.
-    return 0.5 * torch.special.erfc(x / _SQRT2)
+    sf: torch.Tensor = 0.5 * torch.special.erfc(x / _SQRT2)
+    return sf
 
 
 def _xpdf(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,7 @@ def lloyd_max_1d(n: int, tol: float = 1e-10, max_iter: int = 200_000) -> torch.T
     """Lloyd-Max quantizer of N(0, 1) with n levels, sorted ascending, float64."""
     u = (torch.arange(n, dtype=F64) + 0.5) / n
     # Start from the companding (Panter-Dite) solution: quantiles of N(0, 3).
-    c = math.sqrt(3.0) * _SQRT2 * torch.special.erfinv(2 * u - 1)
+    c: torch.Tensor = math.sqrt(3.0) * _SQRT2 * torch.special.erfinv(2 * u - 1)
     for _ in range(max_iter):
         lo, hi = _p1_boundaries(c)
         mass, m1, _ = _cell_moments(lo, hi)

@@ -170,7 +170,8 @@ def rotate_reference(
     """Slow twin of `rotate`: one block-diagonal float64 matrix over the whole width."""
     width = x.shape[-1]
     check_layout(layout, width)
-    m = torch.block_diag(*[hadamard_matrix(h, torch.float64) for h in layout])  # symmetric
+    blocks = [hadamard_matrix(h, torch.float64) for h in layout]
+    m: torch.Tensor = torch.block_diag(*blocks)  # type: ignore[no-untyped-call]  # symmetric
     if signs is not None:
         m = signs.to(torch.float64)[:, None] * m  # diag(signs) @ m
     # Column form y = Hb D x; for row vectors y^T = x^T D Hb^T = x^T (D Hb), Hb symmetric.

@@ -34,7 +34,7 @@ def load_float_model(path: Path) -> tuple[nn.Module, Any]:
     else:
         cls: Any = model_class(load_config(Path(path)))
         model = cls.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError):

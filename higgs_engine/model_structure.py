@@ -105,7 +105,7 @@ def build_meta_model(config: PretrainedConfig) -> nn.Module:
     cls = model_class(config)
     try:
         with torch.device("meta"):
-            model = cls._from_config(config)  # type: ignore[attr-defined]
+            model: nn.Module = cls._from_config(config)  # type: ignore[attr-defined]
     except HiggsError:
         raise
     except Exception as exc:  # transformers raises many types for configs it cannot build

@@ -94,7 +94,7 @@ class _HiggsCodes(nn.Module):
         # Let nn.Module move everything, then restore the fixed buffers' dtypes: a model-wide
         # .half() / .to(bfloat16) must not round the fp16 scales or the float32 grid.
         saved = {n: self._buffers[n] for n in _FIXED}
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for n, old in saved.items():
             moved = self._buffers[n]
             if old is not None and moved is not None:

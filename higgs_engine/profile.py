@@ -199,8 +199,10 @@ class BlockReplay:
             out = self._forward(i)
         self.forwards += 1
         if self.kind == "causal":
-            return out.logits[0, :-1].float()  # (context - 1, vocab)
-        return out.last_hidden_state[0].float().mean(0)  # (d,)
+            logits: torch.Tensor = out.logits[0, :-1].float()  # (context - 1, vocab)
+            return logits
+        hidden: torch.Tensor = out.last_hidden_state[0].float().mean(0)  # (d,)
+        return hidden
 
     def _replay_output(self, i: int, start: int) -> torch.Tensor:
         import torch
@@ -214,8 +216,10 @@ class BlockReplay:
             self.forwards += 1
             if self.kind == "causal":
                 assert self.head is not None and self.norm is not None
-                return self.head(self.norm(h))[0, :-1].float()
-            return h[0].float().mean(0)
+                logits: torch.Tensor = self.head(self.norm(h))[0, :-1].float()
+                return logits
+            hidden: torch.Tensor = h[0].float().mean(0)
+            return hidden
 
     def output(self, i: int, layer_name: str | None = None) -> torch.Tensor:
         """Window i's output (logits or pooled hidden state), rerunning only what `layer_name`

@@ -217,7 +217,7 @@ def self_generated_tokens(
                 lens = [len(s) for s in rows]
                 before = first * config.length
 
-                def draw(logits: torch.Tensor, gens: list = gens) -> torch.Tensor:
+                def draw(logits: torch.Tensor, gens: list[torch.Generator] = gens) -> torch.Tensor:
                     return sample_rows(logits, config.temperature, config.top_p, gens)
 
                 def step(k: int, lens: list[int] = lens, before: int = before) -> None:

@@ -219,7 +219,7 @@ def _convert_gguf_into(gguf_path: Path, dest: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)  # type: ignore[no-untyped-call]
     model.load_state_dict(loaded.state_dict())
     del loaded
     dest.mkdir(parents=True)

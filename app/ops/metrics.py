@@ -96,7 +96,7 @@ def build_registry(
         registry=None if shared else registry,
     )
     if shared:
-        multiprocess.MultiProcessCollector(registry, path=shared)
+        multiprocess.MultiProcessCollector(registry, path=shared)  # type: ignore[no-untyped-call]
     registry.register(JobCollector(sessions, settings))
     return registry, latency
 

@@ -56,8 +56,9 @@ class GgufEval:
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x64 = x.astype(np.float64)
-    m = x64.max(axis=-1, keepdims=True)
-    return x64 - m - np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
+    m: np.ndarray = x64.max(axis=-1, keepdims=True)
+    out: np.ndarray = x64 - m - np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True))
+    return out
 
 
 def token_windows(tokens: list[int], context: int, windows: int) -> list[list[int]]:

@@ -66,7 +66,7 @@ def _llama() -> Any:
                 "(scripts/setup builds and caches it)"
             ) from e
 
-        @llama_cpp.llama_log_callback
+        @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
         def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             return None
 

@@ -72,7 +72,8 @@ def haar_orthogonal(m: int, seed: int) -> torch.Tensor:
         raise InvalidConfigError(f"orthogonal block size {m} must be positive")
     g = torch.Generator().manual_seed(int(seed))
     a = torch.randn(m, m, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(a)
+    qr: tuple[torch.Tensor, torch.Tensor] = torch.linalg.qr(a)
+    q, r = qr
     d = torch.sign(torch.diagonal(r))
     d[d == 0] = 1.0
     return (q * d[None, :]).contiguous()

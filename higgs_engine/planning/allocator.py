@@ -123,7 +123,8 @@ class Problem:
 
     @property
     def allowed(self) -> np.ndarray:
-        return np.isfinite(self.cost_bits)  # (L, J)
+        allowed: np.ndarray = np.isfinite(self.cost_bits)  # (L, J)
+        return allowed
 
     def total_bits(self, choice: Sequence[int]) -> float:
         """Exact size of an assignment: layer costs plus each distinct grid once."""
@@ -393,7 +394,10 @@ class DPTable:
         rows = np.arange(choice.shape[1])[None, :]
         used = np.zeros((choice.shape[0], len(self.problem.options)), dtype=bool)  # (K, J)
         np.put_along_axis(used, choice, True, axis=1)
-        return self.problem.cost_bits[rows, choice].sum(axis=1) + used @ self.problem.grid_cost
+        bits: np.ndarray = (
+            self.problem.cost_bits[rows, choice].sum(axis=1) + used @ self.problem.grid_cost
+        )
+        return bits
 
     def smallest_within(self, max_predicted: float) -> Allocation:
         """The smallest allocation whose predicted metric increase is at most `max_predicted`."""
