@@ -1,0 +1,117 @@
+"""The import graph of the shipped packages, read statically from every import statement
+(module level and inside functions alike): which repository modules each module imports, the
+private names (`from x import _y`) it takes from other modules, and the import cycles (strongly
+connected components). tests/test_import_graph.py checks the working tree with it;
+benchmarks/house.py measures any revision (a tree unpacked anywhere: `root`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGES = ("higgs_engine", "app", "worker", "higgs_cli", "migrations")
+
+
+def module_name(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def repo_module(root: Path, name: str) -> bool:
+    base = root.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def sources(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Module name -> file, for every .py file of the packages under `root` (a package the tree
+    lacks contributes nothing)."""
+    out = {}
+    for pkg in packages:
+        if (root / pkg).is_dir():
+            for path in sorted((root / pkg).rglob("*.py")):
+                out[module_name(root, path)] = path
+    return out
+
+
+def import_edges(root: Path, path: Path, me: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """(repo modules `path` imports anywhere in it, (module, name) of private names it imports
+    from other repo modules)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mods: set[str] = set()
+    private: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods |= {a.name for a in node.names if repo_module(root, a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:  # relative: resolve against this module's package
+                parts = me.split(".")
+                keep = len(parts) - node.level + (1 if path.name == "__init__.py" else 0)
+                pkg = parts[:keep]
+                base = ".".join([*pkg, node.module])
+            if not repo_module(root, base):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if repo_module(root, sub):
+                    mods.add(sub)
+                else:
+                    mods.add(base)
+                    if a.name.startswith("_") and base != me:
+                        private.add((base, a.name))
+    mods.discard(me)
+    return mods, private
+
+
+def graph(
+    root: Path, packages: tuple[str, ...] = PACKAGES
+) -> tuple[dict[str, set[str]], set[tuple[str, str, str]]]:
+    """(module -> repo modules it imports, (importer, module, name) of each private import)."""
+    edges: dict[str, set[str]] = {}
+    private: set[tuple[str, str, str]] = set()
+    for name, path in sources(root, packages).items():
+        mods, priv = import_edges(root, path, name)
+        # importing a.b.c also runs a/__init__ and a/b/__init__; those are not cycles of c's
+        edges[name] = {m for m in mods if not name.startswith(m + ".")}
+        private |= {(name, mod, n) for mod, n in priv}
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
