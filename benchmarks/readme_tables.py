@@ -77,6 +77,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("service", "python -m benchmarks.service_bench"),
     ("service_noisy", "python -m benchmarks.service_bench --noisy"),
     ("fanout", "python -m benchmarks.fanout"),
+    ("house", "python -m benchmarks.house"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
 HEADER = """# Benchmarks (latest measured tables)
