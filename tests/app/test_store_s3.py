@@ -266,6 +266,8 @@ def test_api_streams_s3_files_with_range_etag_and_digests(
             assert member is not None and member.read() == blob
 
 
+# slow: waits out the client's retries against a stopped S3 endpoint
+@pytest.mark.slow
 def test_lost_object_is_500_and_unreachable_store_is_503(
     s3_client: TestClient, s3_job: Any, s3_settings: Settings, s3_server: Any
 ) -> None:

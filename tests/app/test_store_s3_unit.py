@@ -246,6 +246,8 @@ class Interrupted(BaseException):
     terminate, a hard time limit): not an Exception, so nothing may swallow it."""
 
 
+# slow: waits out retries of an interrupted upload
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_interruption_mid_part_aborts_the_open_upload(store: S3Store, tmp_path: Path) -> None:
     """A signal arrives while part 2 of a multipart file is on the wire: the upload re-raises

@@ -232,6 +232,8 @@ def _cluster_pids(postmaster: int) -> list[int]:
     return [postmaster, *(int(p) for p in out.split())]
 
 
+# slow: waits out a request deadline on a frozen server
+@pytest.mark.slow
 def test_a_frozen_postgres_cluster_costs_a_request_its_deadline(
     postgres_session_db: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.cli.test_quantize_eval import assert_one_line_error, run
 from tests.fixtures import build_gguf_llama, build_tiny_encoder
 
 
+# slow: a whole `higgs quantize --format gguf --rotate on` process
+@pytest.mark.slow
 def test_rotate_on_writes_a_rotated_file(tmp_path: Path) -> None:
     ckpt = build_gguf_llama(tmp_path / "tiny", tie_word_embeddings=True)
     out = tmp_path / "out"

@@ -82,6 +82,8 @@ def test_quantize_human_summary_and_options(llama_ckpt: Path, tmp_path: Path) ->
     assert (rep["config"]["sign_seed"], rep["config"]["scale_rule"]) == (0, "mse-unbiased")
 
 
+# slow: four `higgs` processes
+@pytest.mark.slow
 def test_quantize_sign_seed_none_and_scale_rule(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "plain"
     args = ["--p", "1", "--n", "16", "--format", "native", "--json"]
@@ -141,6 +143,8 @@ def test_eval_json_with_and_without_base(
     assert base["kl"] is None and base["tokens"] == got["tokens"] and base["ppl"] != got["ppl"]
 
 
+# slow: nine `higgs` processes (a minute)
+@pytest.mark.slow
 def test_bad_inputs_get_one_line_errors(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert_one_line_error(
@@ -185,6 +189,8 @@ def test_bad_inputs_get_one_line_errors(llama_ckpt: Path, tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alien", "corrupt"]  # no temp dirs
 
 
+# slow: five `higgs` processes
+@pytest.mark.slow
 def test_existing_output_and_bad_eval_inputs(cli_out: tuple[Path, dict], tmp_path: Path) -> None:
     out, _ = cli_out
     before = (out / "report.json").read_bytes()
@@ -222,6 +228,8 @@ def test_top_level_help_is_light() -> None:
     assert "quantize" in res.stdout and "--rotation-block" in res.stdout
 
 
+# slow: three `higgs` processes
+@pytest.mark.slow
 def test_quantize_scope_all_and_its_gguf_rule(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
     res = run(

@@ -136,7 +136,13 @@ def test_llama_cpp_runs_the_converted_model_like_torch(
 # Relative logit error against the float32 file on the tiny model, whose weights carry heavy
 # cubed-Gaussian outliers (tests/fixtures.py); measured 0.063 / 0.30 / 0.47 (F16: 0.002).
 @pytest.mark.parametrize(
-    ("bits", "kind", "bound"), [(8.0, "Q8_0", 0.1), (5.0, "Q5_K", 0.45), (4.0, "Q4_K", 0.7)]
+    ("bits", "kind", "bound"),
+    [
+        (8.0, "Q8_0", 0.1),
+        # slow: the K-quants take longer to write; the lane keeps Q8_0
+        pytest.param(5.0, "Q5_K", 0.45, marks=pytest.mark.slow),
+        pytest.param(4.0, "Q4_K", 0.7, marks=pytest.mark.slow),
+    ],
 )
 def test_uniform_file_runs_in_llama_cpp(
     gguf_llama: Path, gguf_llama_f32: Path, tmp_path: Path, bits: float, kind: str, bound: float
@@ -159,6 +165,8 @@ def test_uniform_file_runs_in_llama_cpp(
         assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
 
 
+# slow: a llama.cpp conversion and run per row width
+@pytest.mark.slow
 def test_fallback_types_for_narrow_rows(tmp_path: Path) -> None:
     ckpt = build_gguf_llama(tmp_path / "tiny96", hidden=96)
     rep = quantize_gguf(GgufRun(ckpt, tmp_path / "out", bits=4))
@@ -166,6 +174,8 @@ def test_fallback_types_for_narrow_rows(tmp_path: Path) -> None:
     assert rep.metrics["type_histogram"] == {"Q5_0": len(rep.layers)}
 
 
+# slow: profile, allocation and a llama.cpp file (the lane keeps test_avg_bits_job_end_to_end)
+@pytest.mark.slow
 def test_dynamic_allocation_meets_the_budget_and_is_exact(gguf_llama: Path, tmp_path: Path) -> None:
     f16 = convert_checkpoint(gguf_llama, tmp_path / "f16.gguf")
     f = read_gguf(f16)
@@ -231,6 +241,8 @@ def test_avg_bits_job_end_to_end(gguf_llama: Path, tmp_path: Path) -> None:
     assert ("measuring", len(rep.layers), len(rep.layers)) in progress
 
 
+# slow: llama.cpp conversion, split and reload
+@pytest.mark.slow
 def test_split_files_load_as_one_model(gguf_llama: Path, tmp_path: Path) -> None:
     one = quantize_gguf(GgufRun(gguf_llama, tmp_path / "one", bits=8))
     split = quantize_gguf(GgufRun(gguf_llama, tmp_path / "split", bits=8, split_max_bytes=2**20))

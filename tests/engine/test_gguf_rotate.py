@@ -133,6 +133,8 @@ def test_non_llama_is_refused(tmp_path: Path) -> None:
         residual_rotation(0)
 
 
+# slow: a llama.cpp conversion and run (the lane keeps test_rotate_on_pays_for_the_untied_head)
+@pytest.mark.slow
 def test_rotated_checkpoint_converts_and_runs_in_llama_cpp(tmp_path: Path) -> None:
     """The written (float32) rotated checkpoint through llama.cpp's converter gives the
     unrotated model's logits in llama.cpp, tied head untied."""
@@ -199,6 +201,8 @@ def test_rotate_on_pays_for_the_untied_head(tied_llama: Path, tmp_path: Path) ->
     assert m["kl"] >= 0 and m["ppl_quantized"] > 0 and m["predicted_change"] > 0
 
 
+# slow: two profiles and allocations, rotated and not
+@pytest.mark.slow
 def test_rotate_auto_keeps_the_lower_prediction(tied_llama: Path, tmp_path: Path) -> None:
     from higgs_engine.gguf.run import GgufRun, quantize_gguf
     from higgs_engine.planning.plans import Target
@@ -234,6 +238,8 @@ def test_rotate_is_refused_or_skipped_outside_the_llama_family(tmp_path: Path) -
         GgufRun(bert, tmp_path / "out", bits=8, rotate="sideways")
 
 
+# slow: several quantizations and llama.cpp files (a minute)
+@pytest.mark.slow
 def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_path: Path) -> None:
     from higgs_engine.gguf.run import GgufRun, quantize_gguf
     from higgs_engine.planning.plans import Target

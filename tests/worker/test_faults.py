@@ -108,6 +108,8 @@ class FlakySessions:
         return self.real()
 
 
+# slow: a quantization across a database outage waited out (the lane keeps the over-budget outage)
+@pytest.mark.slow
 def test_a_database_outage_mid_job_does_not_end_or_count_the_attempt(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
 ) -> None:

@@ -16,6 +16,8 @@ def _no_sessions() -> None:
     raise AssertionError("a bits target needs no profile store")
 
 
+# slow: a whole GGUF job with a rotation (the engine's rotation tests stay in the lane)
+@pytest.mark.slow
 def test_rotate_reaches_the_run(tmp_path: Path) -> None:
     ckpt = build_gguf_llama(tmp_path / "tiny")
     src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
