@@ -58,9 +58,9 @@ from devtools.quality import (
     run_methods,
     smollm2_on_news,
 )
-from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation
 from higgs_engine.planning.config import HiggsConfig
-from higgs_engine.profile import Profile
+from higgs_engine.planning.plans import Target, plan_allocation
+from higgs_engine.planning.profile import DEFAULT_PROFILE, Profile
 
 BUDGETS = (4.13, 3.5)
 UNIFORM_GRIDS = ((2, 256), (2, 512))  # `--bits 4` (4.08 bits) and 4.58 bits
@@ -189,7 +189,7 @@ def run_smollm2(args: argparse.Namespace) -> None:
     # A second evaluation text in the self-generated profile's own distribution: text the base
     # model generates with another seed (never a profile's tokens). Linearity is judged where
     # the alphas were measured, apart from how far that text is from news.
-    from higgs_engine.dynamic import source_fingerprint
+    from higgs_engine.planning.profile import source_fingerprint
 
     eval_self_cfg = SelfGenConfig(count=args.eval_windows, length=args.context, seed=EVAL_SELF_SEED)
     self_eval_tokens = cached_self_tokens(  # no cache directory: generated, not stored

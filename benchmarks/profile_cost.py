@@ -34,13 +34,10 @@ import torch
 
 from benchmarks.common import environment, fmt, markdown_table, write_results
 from devtools.quality import SMOLLM_DIR
-from higgs_engine.dynamic import (
-    DEFAULT_PROFILE,
-    calibration_windows,
-    profile_config_for,
-)
+from higgs_engine.dynamic import calibration_windows, profile_config_for
 from higgs_engine.model_loading import load_float_model
 from higgs_engine.model_structure import quantizable_layers
+from higgs_engine.planning.profile import DEFAULT_PROFILE
 from higgs_engine.profile import compute_profile
 from higgs_engine.selfgen import (
     SelfGenConfig,

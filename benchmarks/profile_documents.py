@@ -38,9 +38,9 @@ from devtools.quality import (
     load_causal_lm,
     smollm2_on_news,
 )
-from higgs_engine.dynamic import DEFAULT_PROFILE, Target, plan_allocation
 from higgs_engine.planning.config import HiggsConfig
-from higgs_engine.planning.profile import LayerAlpha, Profile
+from higgs_engine.planning.plans import Target, plan_allocation
+from higgs_engine.planning.profile import DEFAULT_PROFILE, LayerAlpha, Profile
 
 SUBSET_SIZES = (2, 4, 8, 16)
 WINDOW_DRAWS = 4  # label draws per single-window profile

@@ -155,15 +155,11 @@ def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: i
 
 def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: float) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
-        from higgs_engine.dynamic import (
-            Target,
-            config_with_allocation,
-            get_profile,
-            plan_allocation,
-        )
+        from higgs_engine.dynamic import get_profile
         from higgs_engine.model_structure import quantizable_layers
         from higgs_engine.planning.config import HiggsConfig
-        from higgs_engine.profile import ProfileConfig
+        from higgs_engine.planning.plans import Target, config_with_allocation, plan_allocation
+        from higgs_engine.planning.profile import ProfileConfig
 
         cal = data.calibration
         # metric "auto": KL for a causal LM, 1 - cos for an encoder (the engine decides)

@@ -145,12 +145,13 @@ def _inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64)
     inverse(h)), the unique factor GPTQ's cholesky(cholesky_inverse(cholesky(h))) computes
     with two factorisations and an inverse."""
     h = h.to(dtype)
-    try:
-        lower = torch.linalg.cholesky(h.flip(0, 1))
-    except torch.linalg.LinAlgError as e:
+    # cholesky_ex: the same factorisation as cholesky, its failure as a code instead of a raise
+    lower, info = torch.linalg.cholesky_ex(h.flip(0, 1))
+    if int(info) != 0:
         raise InvalidConfigError(
-            f"the damped Hessian is not positive definite ({e}); raise damp"
-        ) from e
+            f"the damped Hessian is not positive definite (its leading minor of order "
+            f"{int(info)} is not positive); raise damp"
+        )
     eye = torch.eye(h.shape[0], dtype=dtype)
     inv: torch.Tensor = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
     return inv

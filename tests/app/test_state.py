@@ -15,7 +15,7 @@ from app.artifacts.manifest import manifest_sha256
 from app.db.base import utcnow
 from app.db.models import Artifact, ArtifactFile, Job, JobLayer
 from app.jobs import state
-from app.jobs.rows import ArtifactRow, FileRow
+from app.jobs.rows import ArtifactRow, FileRow, InvalidRowError
 from tests.app.factories import make_job, make_key
 
 SHA = "ab" * 32
@@ -174,9 +174,9 @@ def test_succeed_rejects_bad_rows_and_changes_nothing(s: Session, key_id: str, t
     bad_sha = artifact(tmp_path, sha="xyz")
     relative_root = dataclasses.replace(artifact(tmp_path), uri="relative/dir")
     for rows in ([bad_path], [bad_sha], [relative_root]):
-        with pytest.raises(state.InvalidRowError):
+        with pytest.raises(InvalidRowError):
             state.succeed(s, job.id, REPORT, None, rows)
-    with pytest.raises(state.InvalidRowError):  # the report's layer rows are checked too
+    with pytest.raises(InvalidRowError):  # the report's layer rows are checked too
         state.succeed(s, job.id, {**REPORT, "layers": [{"name": "x"}]}, None, [])
     row = s.get(Job, job.id, populate_existing=True)
     assert row is not None and row.status == "running"
