@@ -327,6 +327,25 @@ def get_profile(
 
 
 @dataclass(frozen=True)
+class ProfileSource:
+    """Where a job's sensitivity profile comes from: `profile` as given (no lookup), else
+    found in the first of `stores` that has one for `config` on `text` (None: data-free) and
+    otherwise measured and saved to every store (self-generated text cached in
+    `selfgen_cache`). `skip`: the layers not profiled (None: those the job's config skips;
+    (): every layer, so that one profile serves every job). `menu` / `resolution`: the
+    allocator's options (None: every shipped grid and 16-bit) and step (HIGGS targets)."""
+
+    profile: Profile | None = None
+    config: ProfileConfig = DEFAULT_PROFILE
+    text: str | None = None
+    stores: tuple[ProfileStore, ...] = ()
+    selfgen_cache: Path | None = None
+    skip: tuple[str, ...] | None = None
+    menu: tuple[Option, ...] | None = None
+    resolution: float = 1e-4
+
+
+@dataclass(frozen=True)
 class DynamicPlan:
     """A dynamic target's profile and allocation, and the config that quantizes with it."""
 
@@ -361,15 +380,8 @@ def plan_dynamic(
     source: str | Path,
     target: Target,
     base: HiggsConfig = DEFAULT_CONFIG,
+    how: ProfileSource = ProfileSource(),
     *,
-    profile: Profile | None = None,
-    profile_config: ProfileConfig = DEFAULT_PROFILE,
-    text: str | None = None,
-    stores: Sequence[ProfileStore] = (),
-    selfgen_cache: Path | None = None,
-    profile_skip: Sequence[str] | None = None,
-    menu: Sequence[Option] | None = None,
-    resolution: float = 1e-4,
     progress: ProgressCallback | None = None,
     revision: str | None = None,
     token: str | None = None,
@@ -378,24 +390,24 @@ def plan_dynamic(
     """Profile -> allocate: a dynamic job's stages before the quantization (a single-worker
     stage; the quantization with the plan's config may then run part by part anywhere).
 
-    `profile` is used as given (no lookup); otherwise obtain_profile with `stores` (where
-    profiles are found and kept) measures the layers `base` quantizes, or those `profile_skip`
-    leaves (() = every layer, so that one profile serves every job), with the token embedding
-    and an untied head when base.scope is "all" (allocated like any layer), on `device`.
-    `menu` is the allocator's option menu (default: planning.options.option_menu(), every
-    shipped grid and 16-bit)."""
+    The profile comes as `how` says (ProfileSource: given, else found in its stores or
+    measured on `device` and saved): the layers `base` quantizes, or those how.skip leaves
+    (() = every layer, so that one profile serves every job), with the token embedding and an
+    untied head when base.scope is "all" (allocated like any layer). how.menu is the
+    allocator's option menu (default: planning.options.option_menu(), every shipped grid and
+    16-bit)."""
     from higgs_engine.sources import resolve_source
 
-    if profile is not None:
-        got = ProfileResult(profile, "given", 0.0)
+    if how.profile is not None:
+        got = ProfileResult(how.profile, "given", 0.0)
     else:
         got = obtain_profile(
             source,
-            profile_config,
-            text=text,
-            stores=stores,
-            selfgen_cache=selfgen_cache,
-            skip=base.skip if profile_skip is None else profile_skip,
+            how.config,
+            text=how.text,
+            stores=how.stores,
+            selfgen_cache=how.selfgen_cache,
+            skip=base.skip if how.skip is None else how.skip,
             revision=revision,
             token=token,
             progress=progress,
@@ -410,8 +422,8 @@ def plan_dynamic(
         base,
         target,
         names=names,
-        options=menu,
-        resolution=resolution,
+        options=how.menu,
+        resolution=how.resolution,
         pareto_step=_JOB_PARETO_STEP,
         progress=progress,
     )

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from higgs_engine.planning.allocator import Option
+from higgs_engine.dynamic import ProfileSource
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.plans import Target, annotate_report
-from higgs_engine.planning.profile import DEFAULT_PROFILE, Profile, ProfileConfig, ProfileStore
+from higgs_engine.planning.profile import Profile
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 
@@ -39,25 +39,6 @@ __all__ = ["Annotate", "GgufOptions", "ProfileSource", "QuantizeJob", "gguf_run"
 
 # What a caller adds to the report, given the staged output directory, before report.json.
 Annotate = Callable[[Report, Path], None]
-
-
-@dataclass(frozen=True)
-class ProfileSource:
-    """Where a job's sensitivity profile comes from: `profile` as given (no lookup), else
-    found in the first of `stores` that has one for `config` on `text` (None: data-free) and
-    otherwise measured and saved to every store (self-generated text cached in
-    `selfgen_cache`). `skip`: the layers not profiled (None: those the job's config skips;
-    (): every layer, so that one profile serves every job). `menu` / `resolution`: the
-    allocator's options (None: every shipped grid and 16-bit) and step (HIGGS targets)."""
-
-    profile: Profile | None = None
-    config: ProfileConfig = DEFAULT_PROFILE
-    text: str | None = None
-    stores: tuple[ProfileStore, ...] = ()
-    selfgen_cache: Path | None = None
-    skip: tuple[str, ...] | None = None
-    menu: tuple[Option, ...] | None = None
-    resolution: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -109,7 +90,6 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
 
     hooks: list[Annotate] = []
     config = job.config
-    src = job.profile
     if job.target is not None:
         from higgs_engine.dynamic import plan_dynamic
 
@@ -117,14 +97,7 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
             job.source,
             job.target,
             job.config,
-            profile=src.profile,
-            profile_config=src.config,
-            text=src.text,
-            stores=src.stores,
-            selfgen_cache=src.selfgen_cache,
-            profile_skip=src.skip,
-            menu=src.menu,
-            resolution=src.resolution,
+            job.profile,
             progress=progress,
             revision=job.revision,
             token=job.token,
@@ -134,8 +107,8 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
             job.on_plan(planned)
         config = planned.config
         hooks.append(_dynamic_annotations(planned, job.target))
-    elif src.profile is not None:
-        hooks.append(_profile_annotations(src.profile))
+    elif job.profile.profile is not None:
+        hooks.append(_profile_annotations(job.profile.profile))
     if job.annotate is not None:
         hooks.append(job.annotate)
     return quantize_checkpoint(

@@ -231,18 +231,11 @@ def plan_dynamic_job(
     a fanned-out job's parts quantize with."""
     from higgs_engine.dynamic import plan_dynamic
 
-    how = job_profile_source(sessions, source, requested_revision, menu_p, ps)
     return plan_dynamic(
         source.path,
         Target(**target),
         engine_cfg,
-        profile_config=how.config,
-        text=how.text,
-        stores=how.stores,
-        selfgen_cache=how.selfgen_cache,
-        profile_skip=how.skip,
-        menu=how.menu,
-        resolution=how.resolution,
+        job_profile_source(sessions, source, requested_revision, menu_p, ps),
         progress=progress,
         device=device,
     )
