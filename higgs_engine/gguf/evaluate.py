@@ -19,6 +19,7 @@ import numpy as np
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.gguf.llama import LlamaModel
+from higgs_engine.gguf.plan import context_length
 from higgs_engine.progress import ProgressCallback, report
 
 
@@ -126,8 +127,7 @@ def evaluate_encoder(
     threads: int = 0,
     progress: ProgressCallback | None = None,
 ) -> GgufEval:
-    with LlamaModel(base, n_ctx=8, embeddings=True, threads=threads) as probe:
-        limit = probe.n_ctx_train
+    limit = context_length(base)
     # an encoder's learned positions end at n_ctx_train: the window and its framing fit there
     if limit:
         context = min(context, limit - 2)

@@ -114,6 +114,17 @@ def read_gguf(paths: Sequence[Path] | Path, *, quantized: bool = False) -> GgufF
     return GgufFile(tuple(files), arch, n_blocks, tuple(tensors), fixed, total)
 
 
+def context_length(path: Path) -> int:
+    """The positions the model of a GGUF file was trained for (its `<arch>.context_length`,
+    what llama.cpp reports as n_ctx_train), read from the metadata without loading the model;
+    0 when the file does not say."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    f = r.get_field(f"{_field_str(r, 'general.architecture')}.context_length")
+    return 0 if f is None else int(f.parts[f.data[0]][0])
+
+
 def _field_str(r: Any, key: str) -> str:
     f = r.get_field(key)
     if f is None:

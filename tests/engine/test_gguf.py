@@ -11,12 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devtools.quality import data_ready
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError, UnsupportedModelError
 from higgs_engine.gguf.convert import check_architecture, convert_checkpoint
+from higgs_engine.gguf.evaluate import evaluate_encoder
 from higgs_engine.gguf.llama import LlamaModel, quantize_rows, roundtrip_rows, type_traits
 from higgs_engine.gguf.plan import (
     allocate_gguf,
     build_gguf_problem,
+    context_length,
     measure_errors,
     read_gguf,
     relative_errors,
@@ -131,6 +134,27 @@ def test_llama_cpp_runs_the_converted_model_like_torch(
         got = m.logits(tokens)
     scale = float(np.abs(ref).max())
     assert np.abs(got - ref).max() < 2e-3 * scale
+
+
+def test_context_length_is_llama_cpps_n_ctx_train(gguf_llama_f32: Path) -> None:
+    """The metadata read (no model loaded) gives what llama.cpp reports once it loads the file."""
+    with LlamaModel(gguf_llama_f32, n_ctx=8) as m:
+        assert context_length(gguf_llama_f32) == m.n_ctx_train == 256
+
+
+@pytest.mark.realdata
+@pytest.mark.skipif(not data_ready()[0], reason=data_ready()[1])
+def test_encoder_evaluation_fits_windows_to_the_learned_positions(tmp_path: Path) -> None:
+    """all-MiniLM-L6-v2 (llama.cpp's converter does not take the tiny test encoder's
+    tokenizer): its 512 learned positions bound the window, framing tokens included."""
+    from devtools.quality import MINILM_DIR
+
+    bert = convert_checkpoint(MINILM_DIR, tmp_path / "minilm.gguf")
+    with LlamaModel(bert, n_ctx=8, embeddings=True) as m:
+        assert context_length(bert) == m.n_ctx_train == 512
+    res = evaluate_encoder(bert, bert, TINY_TEXT * 200, context=1000, windows=2)
+    assert (res.context, res.windows) == (510, 2)
+    assert res.one_minus_cos == pytest.approx(0.0, abs=1e-6)  # the same file on both sides
 
 
 # Relative logit error against the float32 file on the tiny model, whose weights carry heavy
