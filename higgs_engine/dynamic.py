@@ -245,7 +245,8 @@ def obtain_profile(
         names = [*names, *(n for n in emb_names if n not in names)]
     config = profile_config_for(src.path, config)
     request = ProfileRequest(
-        model=src.id,
+        # a local model by its absolute path: "m", "./m" and /abs/m share one cached profile
+        model=src.id if src.kind == "hub" else str(Path(src.id).resolve()),
         revision=src.revision or source_fingerprint(src.path),
         calibration=calibration_id(text, config.seed, config.data_free),
         config=config,
