@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DBAPIError
 
@@ -56,6 +56,7 @@ from worker.dynamic import (
 )
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
+from worker.models import ModelSource, resolve_model
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
@@ -155,7 +156,6 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     )
     from higgs_engine.job import ProfileSource, QuantizeJob, run
     from higgs_engine.planning.plans import Target
-    from worker.models import resolve_model
 
     if writer("resolving", 0, 1) is False:
         raise CancelledError("cancelled before the model was resolved")
@@ -219,15 +219,15 @@ def _run_attempt(attempt: Attempt) -> Path | None:
                 offline=cfg.hf_offline,
             )
     evaluate = job_cfg.evaluate
-    if job_cfg.gguf:
-        return _run_gguf(attempt, job_cfg, source, requested)
-    if evaluate and "native" not in engine_cfg.formats:
-        raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     if evaluate and cfg.eval_text_file is None:
         # Before the long part: say it now rather than after quantizing.
         raise InvalidConfigError(
             f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
         )
+    if job_cfg.gguf:
+        return _run_gguf(attempt, job_cfg, source, requested)
+    if evaluate and "native" not in engine_cfg.formats:
+        raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     # Calibrated HIGGS: the uploaded text, tokenized with the model's tokenizer, before any
     # quantization (a text with too few tokens fails the job here, nothing written).
     calibration = load_job_calibration(sessions, job_cfg.calibration, source.path, cfg.db_retry_s)
@@ -238,15 +238,11 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     planned: list[DynamicPlan] = []
 
     def annotate(report: Report, staged: Path) -> None:
-        engine_s = time.perf_counter() - t0
+        record_service(report, source, worker_id, t0)
         if planned:
             report.metrics.setdefault("service", {})["profile"] = profile_entry(planned[0], source)
         elif cfg.profiles is not None:
             annotate_uniform(sessions, source, cfg.profiles, report)
-        report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
-        report.metrics.setdefault("service", {}).update(
-            {"worker_id": worker_id, "engine_wall_s": round(engine_s, 4)}
-        )
         if evaluate:
             t1 = time.perf_counter()
             es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
@@ -277,27 +273,28 @@ def _run_attempt(attempt: Attempt) -> Path | None:
     return final
 
 
+def record_service(report: Report, source: ModelSource, worker_id: str, t0: float) -> None:
+    """The service's part of a job's report: the model as the worker resolved it (id,
+    revision, kind), the worker, and the engine's wall time since `t0` (evaluation aside)."""
+    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+    report.metrics.setdefault("service", {}).update(
+        {"worker_id": worker_id, "engine_wall_s": round(time.perf_counter() - t0, 4)}
+    )
+
+
 def _run_gguf(
-    attempt: Attempt, job_cfg: JobConfig, source: Any, requested: str | None
+    attempt: Attempt, job_cfg: JobConfig, source: ModelSource, requested: str | None
 ) -> Path | None:
     """A GGUF job: llama.cpp's types per tensor for the target (worker.gguf)."""
     from worker.gguf import quantize_gguf_job
 
     cfg = attempt.cfg
-    if job_cfg.evaluate and cfg.eval_text_file is None:
-        raise InvalidConfigError(
-            f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
-        )
     attempt.staging.mkdir(parents=True, exist_ok=True)
     out = attempt.staging / "out"
     t0 = time.perf_counter()
 
     def annotate(report: Report, _staged: Path) -> None:
-        engine_s = time.perf_counter() - t0
-        report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
-        report.metrics.setdefault("service", {}).update(
-            {"worker_id": attempt.worker_id, "engine_wall_s": round(engine_s, 4)}
-        )
+        record_service(report, source, attempt.worker_id, t0)
 
     report = quantize_gguf_job(
         attempt.sessions,

@@ -248,10 +248,16 @@ def test_evaluate_records_perplexity_and_kl(
     assert [a.format for a in job.artifacts] == ["native"]
 
 
+@pytest.mark.parametrize("formats", [["native", "dequantized"], ["gguf"]])
 def test_evaluate_without_a_text_fails_before_quantizing(
-    settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    runner_cfg: RunnerConfig,
+    formats: list[str],
 ) -> None:
-    job_id = create_job(sessions, settings, {**BODY, "options": {"evaluate": True}})
+    job_id = create_job(
+        sessions, settings, {**BODY, "options": {"evaluate": True, "formats": formats}}
+    )
     assert (
         run_job(sessions, job_id, dataclasses.replace(runner_cfg, eval_text_file=None)).status
         == "failed"
