@@ -18,7 +18,7 @@ from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.plans import Target
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
-from worker.dynamic import ProfileSettings, SessionFactory, profile_revision, profile_stores
+from worker.dynamic import ProfileSettings, SessionFactory, job_profile_source, profile_revision
 from worker.models import ModelSource
 
 
@@ -53,12 +53,9 @@ def quantize_gguf_job(
         if ps is None:
             raise InvalidConfigError("this worker has no profile settings for dynamic targets")
         planning_target = Target(**{kind: float(value)})
-        profile = ProfileSource(
-            config=ps.engine_config(),
-            text=ps.text(),
-            stores=tuple(profile_stores(sessions, source, requested_revision, ps)),
-            selfgen_cache=ps.cache_dir,
-        )
+        # the dynamic jobs' profile source (a GGUF run takes its profile from it; the menu is
+        # llama.cpp's types)
+        profile = job_profile_source(sessions, source, requested_revision, None, ps)
     evaluate = None
     if eval_text_file is not None:
         evaluate = GgufEvalRequest(
