@@ -135,6 +135,28 @@ def load_profile(path: str) -> Any:
     return prof
 
 
+def profile_source(
+    args: argparse.Namespace, *, fallback_text: str | None = None, **more: Any
+) -> Any:
+    """The engine's ProfileSource for a dynamic target: the --profile FILE as given, else one
+    measured as the --profile-* options say on the --profile-text (or `fallback_text`), found
+    in or kept at the profile cache (--profile-cache, or the default) like the self-generated
+    text. `more`: further ProfileSource fields (the option menu)."""
+    from higgs_engine.dynamic import ProfileSource, profile_stores
+
+    given = getattr(args, "profile_cache", None)
+    cache = Path(given) if given else default_profile_cache()
+    where: dict[str, Any] = {"stores": tuple(profile_stores(cache)), "selfgen_cache": cache, **more}
+    if getattr(args, "profile", None):
+        return ProfileSource(profile=load_profile(args.profile), **where)
+    text = read_text_option(args, "profile-")
+    return ProfileSource(
+        config=profile_config(args, "profile-"),
+        text=fallback_text if text is None else text,
+        **where,
+    )
+
+
 def dynamic_target(avg_bits: float | None, max_ppl: float | None) -> Any:
     """The dynamic target of --avg-bits / --max-ppl-increase, or None when neither is given."""
     from higgs_engine.planning.plans import Target

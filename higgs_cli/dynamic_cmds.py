@@ -20,6 +20,7 @@ from higgs_cli.common import (
     dynamic_target,
     load_profile,
     profile_config,
+    profile_source,
     quiet_libraries,
     read_text_option,
 )
@@ -346,22 +347,14 @@ def dynamic_job(
     if target is None:
         source = ProfileSource(profile=load_profile(args.profile))
     else:
-        from higgs_engine.dynamic import profile_stores
         from higgs_engine.planning.options import option_menu
 
-        cache = Path(args.profile_cache) if args.profile_cache else default_profile_cache()
-        where: dict[str, Any] = {
-            "stores": tuple(profile_stores(cache)),
-            "selfgen_cache": cache,
-            "menu": tuple(option_menu(max_code_bits=args.max_code_bits)),
-        }
-        if args.profile:
-            source = ProfileSource(profile=load_profile(args.profile), **where)
-        else:
-            text = read_text_option(args, "profile-")
-            if text is None and calibration_text is not None:
-                text = calibration_text  # profile and calibration share the user's text
-            source = ProfileSource(config=profile_config(args, "profile-"), text=text, **where)
+        # profile and calibration share the user's text when --profile-text is not given
+        source = profile_source(
+            args,
+            fallback_text=calibration_text,
+            menu=tuple(option_menu(max_code_bits=args.max_code_bits)),
+        )
     return QuantizeJob(
         args.source,
         config,

@@ -14,11 +14,8 @@ from typing import Any
 
 from higgs_cli.common import (
     CliError,
-    default_profile_cache,
     dynamic_target,
-    load_profile,
-    profile_config,
-    read_text_option,
+    profile_source,
 )
 
 
@@ -100,7 +97,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
     """The GGUF run `higgs quantize --format gguf ...` asks for; returns its Report."""
-    from higgs_engine.dynamic import profile_stores
     from higgs_engine.errors import InvalidConfigError
     from higgs_engine.evaluate import read_text
     from higgs_engine.gguf.run import DEFAULT_ROTATE, GgufEvalRequest
@@ -118,19 +114,8 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
         evaluate = GgufEvalRequest(
             read_text(Path(args.eval_text)), Path(args.eval_text).name, windows=args.eval_windows
         )
-    cache = Path(args.profile_cache) if getattr(args, "profile_cache", None) else None
-    cache = cache or default_profile_cache()
-    where: dict[str, Any] = {"stores": tuple(profile_stores(cache)), "selfgen_cache": cache}
-    if target is None:
-        source = ProfileSource(**where)
-    elif getattr(args, "profile", None):
-        source = ProfileSource(profile=load_profile(args.profile), **where)
-    else:
-        source = ProfileSource(
-            config=profile_config(args, "profile-"),
-            text=read_text_option(args, "profile-"),
-            **where,
-        )
+    # a profile only for a dynamic target (bits and ftype need none)
+    source = ProfileSource() if target is None else profile_source(args)
     job = QuantizeJob(
         args.source,
         target=target,
