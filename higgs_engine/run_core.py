@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods import METHODS, Target, method
+from higgs_engine.methods import Target, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -33,40 +33,9 @@ __all__ = [
     "Written",
     "build_report",
     "plan_layers",
-    "quantize_layer",
-    "quantize_layer_full",
     "stream_tensors",
     "versions",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# One layer
-# ---------------------------------------------------------------------------------------------
-
-
-def quantize_layer_full(
-    w: torch.Tensor,
-    p: int,
-    n: int,
-    config: HiggsConfig,
-    device: torch.device | str | None = None,
-) -> tuple[QuantizedMatrix, torch.Tensor, float]:
-    """Quantize one (out, in) float32 weight with grid (p, n) on `device` (default CPU):
-    (q, W_hat float32 on the CPU, t^2). Data-free HIGGS, METHODS["higgs"]."""
-    from higgs_engine.quantize import relative_error
-
-    res = METHODS["higgs"].quantize(w, Target(grid=(p, n)), config, device=device)
-    assert res.quantized is not None
-    return res.quantized, res.w_hat, float(relative_error(w, res.w_hat))
-
-
-def quantize_layer(
-    w: torch.Tensor, p: int, n: int, config: HiggsConfig
-) -> tuple[QuantizedMatrix, float]:
-    """Quantize one (out, in) weight with grid (p, n) under `config`: (q, relative error t^2)."""
-    q, _, err = quantize_layer_full(w, p, n, config)
-    return q, err
 
 
 # ---------------------------------------------------------------------------------------------

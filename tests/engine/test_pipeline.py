@@ -18,13 +18,13 @@ from higgs_engine.errors import (
     InvalidConfigError,
     ModelNotFoundError,
 )
+from higgs_engine.methods import METHODS, Target
 from higgs_engine.model_structure import quantizable_layers
 from higgs_engine.output import OutputExistsError
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix, relative_error
 from higgs_engine.report import Report
-from higgs_engine.run_core import quantize_layer
 
 CFG = HiggsConfig(p=2, n=256)
 
@@ -104,11 +104,12 @@ def test_rel_error_is_the_dequantized_error(
         assert 0.0 < r.rel_error < 0.05
 
 
-def test_quantize_layer_is_reusable(llama_ckpt: Path) -> None:
+def test_the_run_cores_layer_method_is_reusable(llama_ckpt: Path) -> None:
     w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
-    q, err = quantize_layer(w, 1, 16, CFG)
-    assert (q.p, q.n, q.layout) == (1, 16, [64, 32])
-    assert err == pytest.approx(relative_error(w, dequantize_matrix(q)))
+    res = METHODS["higgs"].quantize(w, Target(grid=(1, 16)), CFG)
+    q = res.quantized
+    assert q is not None and (q.p, q.n, q.layout) == (1, 16, [64, 32])
+    assert relative_error(w, res.w_hat) == pytest.approx(relative_error(w, dequantize_matrix(q)))
 
 
 def test_progress_stages_and_layer_counts(llama_ckpt: Path, tmp_path: Path) -> None:
