@@ -60,9 +60,14 @@ class ProgressWriter:
                 )
 
         # Through a database outage the engine waits here (retrying), then goes on.
-        with self._lock:
-            go = retry_db(once, f"progress of job {self.job_id}", self.db_retry_s)
+        go = self._ask(once, f"progress of job {self.job_id}")
         self._last_write = self.clock()
+        return go
+
+    def _ask(self, once: Callable[[], bool], what: str) -> bool:
+        """One record through retry_db (one at a time); a False answer (stop) sets `stop`."""
+        with self._lock:
+            go = retry_db(once, what, self.db_retry_s)
         if not go:
             self.stop.set()
         return go
@@ -86,10 +91,7 @@ class ProgressWriter:
             with self.sessions() as s:
                 return state.heartbeat(s, self.job_id, worker_id=self.worker_id)
 
-        with self._lock:
-            go = retry_db(once, f"heartbeat of job {self.job_id}", self.db_retry_s)
-        if not go:
-            self.stop.set()
+        self._ask(once, f"heartbeat of job {self.job_id}")
 
 
 class PartProgress(ProgressWriter):
@@ -123,11 +125,7 @@ class PartProgress(ProgressWriter):
                     s, self.job_id, self.attempt, self.idx, self.worker_id, done, total
                 )
 
-        with self._lock:
-            go = retry_db(once, f"progress of job {self.job_id} part {self.idx}", self.db_retry_s)
-        if not go:
-            self.stop.set()
-        return go
+        return self._ask(once, f"progress of job {self.job_id} part {self.idx}")
 
     def write(self, stage: str, done: int, total: int) -> bool:
         go = self._record(done, total) if stage == "quantizing" else self._record(None, None)
