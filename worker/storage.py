@@ -57,18 +57,8 @@ def wait_for_storage(
     else:
         log.info("job %s: storage still full; back in the queue", job_id)
 
-    def once() -> bool:
-        with sessions() as s:
-            return state.wait_for_storage(s, job_id, message, free, worker_id=worker_id)
-
-    try:
-        requeued = retry_db(once, f"storage wait of job {job_id}", cfg.db_retry_s)
-    except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the storage wait: %s", job_id, e)
-        return Outcome("lost", str(e))
-    if not requeued:  # cancel requested meanwhile, or the job is no longer ours
-        return stop_job(sessions, job_id, worker_id, "storage full", cfg.db_retry_s)
-    return Outcome("storage_full", message)
+    stopped = _back_in_queue(sessions, job_id, worker_id, cfg, state.STORAGE_FULL, message, free)
+    return stopped or Outcome("storage_full", message)
 
 
 def wait_for_store(
@@ -83,17 +73,43 @@ def wait_for_store(
         "it can"
     )
 
+    stopped = _back_in_queue(
+        sessions, job_id, worker_id, cfg, state.STORAGE_UNAVAILABLE, message, None
+    )
+    return stopped or Outcome("storage_unavailable", message)
+
+
+# What each wait records and, when the job cannot wait (cancel requested meanwhile, or no
+# longer ours), the reason it stops with.
+_WAITS: dict[str, tuple[str, str]] = {
+    state.STORAGE_FULL: ("storage wait", "storage full"),
+    state.STORAGE_UNAVAILABLE: ("store wait", "artifact store unavailable"),
+}
+
+
+def _back_in_queue(
+    sessions: SessionFactory,
+    job_id: str,
+    worker_id: str,
+    cfg: RunnerConfig,
+    code: str,
+    message: str,
+    free: int | None,
+) -> Outcome | None:
+    """Record the wait (error `code`, `message`, the free bytes if known) and put the job back
+    in the queue: None once it is there, else the attempt's Outcome (lost when nothing could
+    be recorded, or stopped)."""
+    what, why = _WAITS[code]
+
     def once() -> bool:
         with sessions() as s:
-            return state.wait_for_storage(
-                s, job_id, message, None, worker_id=worker_id, code=state.STORAGE_UNAVAILABLE
-            )
+            return state.wait_for_storage(s, job_id, message, free, worker_id=worker_id, code=code)
 
     try:
-        requeued = retry_db(once, f"store wait of job {job_id}", cfg.db_retry_s)
+        requeued = retry_db(once, f"{what} of job {job_id}", cfg.db_retry_s)
     except DatabaseUnavailableError as e:
-        log.error("job %s: could not record the store wait: %s", job_id, e)
+        log.error("job %s: could not record the %s: %s", job_id, what, e)
         return Outcome("lost", str(e))
-    if not requeued:
-        return stop_job(sessions, job_id, worker_id, "artifact store unavailable", cfg.db_retry_s)
-    return Outcome("storage_unavailable", message)
+    if not requeued:  # cancel requested meanwhile, or the job is no longer ours
+        return stop_job(sessions, job_id, worker_id, why, cfg.db_retry_s)
+    return None
