@@ -195,6 +195,7 @@ PROVIDED_BY = {
     "huggingface_hub": "huggingface_hub",
     "botocore": "boto3",
     "llama_cpp": "llama-cpp-python",
+    "compressed_tensors": "compressed-tensors",
 }
 OWN = {"app", "worker", "higgs_engine", "higgs_cli", "migrations"}
 
@@ -211,7 +212,7 @@ def _closure(*extras: str) -> set[str]:
     while todo:
         for req in EXTRAS[todo.pop()]:
             if _name(req) == "higgs-service":
-                todo += re.findall(r"\w+", req.split("[", 1)[1])
+                todo += re.findall(r"[\w-]+", req.split("[", 1)[1])
             else:
                 names.add(_name(req))
     return names
@@ -238,8 +239,13 @@ def _pip_installs(stage: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("package", "extras"),
-    # higgs_engine.gguf imports llama_cpp lazily: the engine's `gguf` extra
-    [("app", ("api",)), ("worker", ("worker",)), ("higgs_engine", ("engine", "gguf"))],
+    # higgs_engine.gguf imports llama_cpp lazily (the `gguf` extra), higgs_engine.ct
+    # compressed_tensors (the `compressed-tensors` extra)
+    [
+        ("app", ("api",)),
+        ("worker", ("worker",)),
+        ("higgs_engine", ("engine", "gguf", "compressed-tensors")),
+    ],
 )
 def test_extras_cover_what_each_package_imports(package: str, extras: tuple[str, ...]) -> None:
     have = _closure(*extras)
