@@ -56,7 +56,7 @@ ENGINE_LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("run core", ("run_core",)),
-    ("orchestrators", ("parts", "pipeline", "calibration", "dynamic", "gguf")),
+    ("orchestrators", ("parts", "pipeline", "calibration", "dynamic", "gguf", "ct")),
     ("entry point", ("job",)),
 ]
 
