@@ -121,6 +121,30 @@ def _dequant_grouped(
     return v * s.to(dtype)[..., None]
 
 
+_ROUND = 12582912.0  # 1.5 * 2^23: x + R - R rounds a float32 |x| < 2^22 to the nearest even
+
+
+def _score(
+    wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, scheme: CtScheme
+) -> torch.Tensor:
+    """Squared error (rows, groups) of each group with scale s and zero point z, in float32
+    throughout and in place (the hot loop: a scale's w_hat as float32 q * s, which can differ
+    from the stored dtype's product in its last bit; the chosen scale is dequantized exactly)."""
+    qmin, qmax = _qrange(scheme)
+    sf = s.to(torch.float32)[..., None]
+    x = wg / sf
+    if scheme.weight_type == "float":
+        x = x.clamp_(qmin, qmax).to(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        if z is not None:
+            x.add_(z[..., None])
+        # clamping to integer bounds first rounds the same; then round half to even
+        x.clamp_(qmin, qmax).add_(_ROUND).sub_(_ROUND)
+        if z is not None:
+            x.sub_(z[..., None])
+    return x.mul_(sf).sub_(wg).square_().sum(-1)
+
+
 def _best_scales(
     wg: torch.Tensor, scheme: CtScheme, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,8 +155,7 @@ def _best_scales(
     best_z: torch.Tensor | None = None if scheme.symmetric else torch.zeros(lo.shape)
     for m in MULTIPLIERS:
         s, z = _scale_for(lo, hi, m, scheme, dtype)
-        q = _codes(wg, s, z, scheme)
-        err = (_dequant_grouped(q, s, z, dtype).to(torch.float32) - wg).square_().sum(-1)
+        err = _score(wg, s, z, scheme)
         better = err < best_err  # strict: ties keep the earlier (smaller) multiplier
         best_err = torch.where(better, err, best_err)
         best_s = torch.where(better, s, best_s)

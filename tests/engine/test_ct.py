@@ -46,7 +46,7 @@ from higgs_engine.ct.writer import (
 )
 from higgs_engine.errors import InfeasibleTargetError, InvalidConfigError
 from higgs_engine.planning.profile import Profile
-from tests.fixtures import build_tiny_checkpoint, measure_tiny_profile
+from tests.fixtures import build_tiny_checkpoint, build_tiny_encoder, measure_tiny_profile
 
 QUANTIZED = [s for s in CT_MENU if not s.keep]
 
@@ -106,12 +106,13 @@ def test_bits_count_every_tensor_the_library_stores(scheme: CtScheme) -> None:
 
 @pytest.mark.parametrize("scheme", [*QUANTIZED, *ASYMMETRIC], ids=lambda s: s.name)
 def test_fast_scale_search_chooses_what_the_reference_chooses(scheme: CtScheme) -> None:
-    w = _heavy(16, 128, seed=3)
+    w = _heavy(32, 128, seed=3)
     fast = quantize_layer(w, scheme)
     ref = quantize_layer_reference(w, scheme)
+    # the fast path scores float32 q * s, the reference the stored float16 product in float64:
+    # they may part on a near tie, where either scale is as good as the other
     same = (fast.scale == ref.scale).double().mean().item()
-    assert same >= 0.95, f"{scheme.name}: only {same:.0%} of the scales agree"
-    # where they differ, a near tie: the fast path's error is the reference's within rounding
+    assert same >= 0.9, f"{scheme.name}: only {same:.0%} of the scales agree"
     assert relative_error(w, dequantize(fast)) <= relative_error(w, dequantize(ref)) * (1 + 1e-4)
 
 
@@ -194,14 +195,16 @@ def _mixed(source: Path) -> CtAssignment:
     return CtAssignment(schemes)
 
 
-def _reference_model(source: Path, assignment: CtAssignment, dtype: torch.dtype) -> Any:
+def reference_model(
+    source: Path, assignment: CtAssignment, dtype: torch.dtype, auto: Any = None
+) -> Any:
     """Our dequantized model: the source in `dtype`, each quantized layer's weight our
     dequantization of our codes (quantized here again, independently of the writer)."""
     from transformers import AutoModelForCausalLM
 
     from higgs_engine.safetensors_stream import CheckpointReader
 
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    model = (auto or AutoModelForCausalLM).from_pretrained(str(source), dtype=dtype)
     with torch.no_grad(), CheckpointReader(source) as reader:
         for spec in ct_layers(source):
             scheme = assignment.scheme_of(spec.name)
@@ -235,7 +238,7 @@ def test_transformers_loads_it_and_its_logits_are_ours(
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         loaded(ids[:, :2])  # compressed-tensors decompresses on the first forward
-    ref = _reference_model(source, assignment, torch.float16)
+    ref = reference_model(source, assignment, torch.float16)
     # every weight transformers holds is ours, bit for bit
     ours = ref.state_dict()
     theirs = loaded.state_dict()
@@ -246,6 +249,23 @@ def test_transformers_loads_it_and_its_logits_are_ours(
         got = loaded(ids).logits.float()
         want = ref(ids).logits.float()
     assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_an_encoder_loads_through_automodel_with_our_hidden_states(tmp_path: Path) -> None:
+    from transformers import AutoModel
+
+    source = build_tiny_encoder(tmp_path / "bert")
+    assignment = uniform_assignment(source, 4)
+    result = write_compressed_tensors(source, assignment, tmp_path / "o")
+    # hidden 64 -> group 64; the two FFN outputs read the 128-wide intermediate -> group 128
+    assert result["schemes"] == {"w4a16-g128": 2, "w4a16-g64": 11}
+    loaded = AutoModel.from_pretrained(str(tmp_path / "o")).eval()
+    ref = reference_model(source, assignment, torch.float16, AutoModel)
+    ids = torch.randint(5, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = loaded(input_ids=ids).last_hidden_state.float()
+        want = ref(input_ids=ids).last_hidden_state.float()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
