@@ -174,15 +174,49 @@ def validate_request(
     )
 
 
+# Options of HIGGS artifacts only: a gguf job given any of them is refused, naming each, rather
+# than run with the option silently ignored.
+HIGGS_ONLY_OPTIONS = (
+    "p",
+    "n",
+    "group_size",
+    "rotation_block",
+    "skip",
+    "dtype",
+    "sign_seed",
+    "scale_rule",
+    "seed",
+)
+
+
 def check_gguf_request(
     req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub_timeout_s: float = 0.0
 ) -> None:
-    """What a GGUF job can be asked for: the format alone, data-free, a target at or above the
-    cheapest llama.cpp type, and an architecture llama.cpp's converter knows (a local model's as
-    the workers registered it, a Hub model's from its config.json within `hub_timeout_s`)."""
-    from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
+    """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
+    target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
+    model's as the workers registered it, a Hub model's from its config.json within
+    `hub_timeout_s`)."""
+    from higgs_engine.planning.gguf_types import (
+        GGUF_ARCHITECTURES,
+        max_menu_bits,
+        min_menu_bits,
+    )
 
     opts = req.options
+    higgs_only = [name for name in HIGGS_ONLY_OPTIONS if name in opts.model_fields_set]
+    if higgs_only:
+        names = ", ".join(f"options.{name}" for name in higgs_only)
+        raise ValidationFailedError(
+            f"{names}: HIGGS options that a gguf file does not take (its tensors are in "
+            "llama.cpp's own types, chosen for the target); omit them",
+            errors=[
+                {
+                    "field": f"options.{name}",
+                    "message": f"options.{name} is a HIGGS option; a gguf job does not take it",
+                }
+                for name in higgs_only
+            ],
+        )
     if "scope" in opts.model_fields_set and opts.scope != "all":
         raise ValidationFailedError.field(
             "options.scope",
@@ -204,6 +238,12 @@ def check_gguf_request(
         raise ValidationFailedError.field(
             "target.bits",
             f"target.bits={value:g} is below the smallest GGUF type (Q2_K, 2 code bits)",
+        )
+    if kind in ("bits", "avg_bits") and value > max_menu_bits():
+        raise ValidationFailedError.field(
+            f"target.{kind}",
+            f"target.{kind}={value:g} is above the widest GGUF type "
+            f"(F16, {max_menu_bits():g} bits per weight)",
         )
     if kind == "avg_bits" and value < min_menu_bits():
         raise ValidationFailedError.field(

@@ -144,6 +144,39 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
             },
             "options.calibration",
         ),
+        *[
+            (
+                {
+                    "model": {"id": "tiny"},
+                    "target": {"bits": 4},
+                    "options": {"formats": ["gguf"], name: value},
+                },
+                f"options.{name}",
+            )
+            for name, value in [
+                ("skip", ["*"]),
+                ("p", 2),
+                ("n", 256),
+                ("dtype", "bfloat16"),
+                ("group_size", 128),
+                ("rotation_block", 512),
+                ("sign_seed", None),
+                ("scale_rule", "rms"),
+                ("seed", 7),
+            ]
+        ],
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 100}, "options": {"formats": ["gguf"]}},
+            "target.bits",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"avg_bits": 16.5},
+                "options": {"formats": ["gguf"]},
+            },
+            "target.avg_bits",
+        ),
         (
             {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"formats": []}},
             "options.formats",
