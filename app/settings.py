@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
     # quota.
     max_active_jobs_per_key: int = Field(default=20, ge=0)
+    # Disk one key may hold: its jobs' published artifacts plus the scratch of its running
+    # attempts, in bytes (422 disk_quota_exceeded on submit at or above it; a running job that
+    # goes past it fails with disk_quota_exceeded); 0 = no quota.
+    disk_quota_bytes_per_key: int = Field(default=0, ge=0)
     # The Retry-After (s) of 503 answers while the database or broker is unreachable.
     unavailable_retry_after_s: int = Field(default=5, ge=1)
     # GET /metrics answers only `Authorization: Bearer <metrics_key>`; unset: /metrics is off.

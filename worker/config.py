@@ -40,6 +40,8 @@ class RunnerConfig:
     profiles: ProfileSettings | None = None
     # How long a database write is retried through an outage before the attempt is abandoned.
     db_retry_s: float = 300.0
+    # Bytes of artifacts and scratch one API key may hold (worker.scratch.DiskGuard); 0 = none.
+    disk_quota_bytes_per_key: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -59,6 +61,7 @@ class RunnerConfig:
             eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
             db_retry_s=settings.worker_db_retry_s,
+            disk_quota_bytes_per_key=settings.disk_quota_bytes_per_key,
         )
 
     def profile_settings(self) -> ProfileSettings:

@@ -81,6 +81,7 @@ def submit_job(
             spec,
             service.check_idempotency_key(idempotency_key),
             max_active=settings.max_active_jobs_per_key,
+            disk_quota=settings.disk_quota_bytes_per_key,
         )
     headers = {"Location": service.job_url(job.id)}
     if created:

@@ -26,6 +26,7 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.jobs import repository, state
+from app.jobs.disk import check_disk_quota
 from app.jobs.job_config import JobConfig
 from app.jobs.local_models import read_architecture
 from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
@@ -326,12 +327,14 @@ def create_job(
     idempotency_key: str | None,
     *,
     max_active: int = 0,
+    disk_quota: int = 0,
 ) -> tuple[Job, bool]:
     """Insert the job (status queued) and commit. Returns (job, created). With an
     Idempotency-Key, concurrent identical requests all get the one job: the unique constraint
     (api_key_id, idempotency_key) decides the race, the losers read the winner's row.
     max_active > 0: QuotaExceededError (429) when the key already has that many jobs queued
-    or running (a replay of an existing job is never refused)."""
+    or running (a replay of an existing job is never refused). disk_quota > 0:
+    DiskQuotaExceededError (422) when the key holds that many bytes of artifacts and scratch."""
     if idempotency_key is not None:
         existing = repository.by_idempotency_key(session, key.id, idempotency_key)
         if existing is not None:
@@ -345,6 +348,7 @@ def create_job(
                 f"({max_active}); submit again when one has finished",
                 retry_after=QUOTA_RETRY_AFTER_S,
             )
+    check_disk_quota(session, key.id, disk_quota)
     now = utcnow()
     job = Job(
         id=str(uuid.uuid4()),
@@ -484,7 +488,11 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
             "updated_at": job.updated_at,
             "request": request,
             "config": job.config,
-            "error": {"code": job.error_code, "message": job.error_message or ""}
+            "error": {
+                "code": job.error_code,
+                "message": job.error_message or "",
+                "scratch_reclaimed_bytes": job.scratch_reclaimed_bytes,
+            }
             if failed
             else None,
             "summary": job.summary,
