@@ -49,7 +49,15 @@ class Settings(BaseSettings):
     artifacts_redirect_ttl_s: int = Field(default=300, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
+    # The service's own Hub token. Jobs use it only for the API keys listed here ("*": every
+    # key; comma-separated key ids; empty: none). Otherwise a job uses its key's own token
+    # (PUT /v1/keys/me/hub-token), or none: public repositories only.
     hf_token: str | None = None
+    hf_token_keys: str = ""
+    # Encrypts the per-key Hub tokens in the database (Fernet, a key derived from this string);
+    # comma-separated: the first encrypts, every one decrypts (rotation). Unset: keys cannot
+    # store a Hub token (422).
+    hub_token_secret: str | None = None
     hf_offline: bool = False
 
     # HTTP

@@ -56,7 +56,7 @@ from worker.dynamic import (
 )
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
-from worker.models import ModelSource, resolve_model
+from worker.models import ModelSource, job_hub_token, resolve_model
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
 from worker.scratch import DiskGuard, note_reclaimed, reclaim_failed
@@ -165,6 +165,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
 
     if writer("resolving", 0, 1) is False:
         raise CancelledError("cancelled before the model was resolved")
+    hub_token = job_hub_token(sessions, job_id, cfg.hub_tokens)
     requested = (request.get("model") or {}).get("revision")
     job_cfg = JobConfig.load(attempt.claimed.config)
     # Dynamic targets fan out after the profile and the allocation (one worker, here).
@@ -178,7 +179,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         model_id,
         pinned or requested,
         models_dir=cfg.models_dir,
-        token=cfg.hf_token,
+        token=hub_token,
         offline=cfg.hf_offline,
         # A Hub model that may fan out: its shard index first, each part fetches its shards
         # (a dynamic target's profile needs every shard here).
@@ -221,7 +222,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
                 model_id,
                 source.revision,
                 models_dir=cfg.models_dir,
-                token=cfg.hf_token,
+                token=hub_token,
                 offline=cfg.hf_offline,
             )
     evaluate = job_cfg.evaluate

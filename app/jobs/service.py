@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +40,8 @@ from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 
+# The Hub token a job of the caller's key would use (app.keys.hub_token), asked lazily.
+HubTokenGetter = Callable[[], "str | None"]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
 
@@ -73,10 +76,14 @@ def config_error_field(error: InvalidConfigError, target_kind: str) -> str:
 
 
 def validate_request(
-    req: JobCreate, settings: Settings, registry: LocalNames | None = None
+    req: JobCreate,
+    settings: Settings,
+    registry: LocalNames | None = None,
+    hub_token: HubTokenGetter | None = None,
 ) -> JobSpec:
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
-    `registry`: the local models the workers registered (the API needs no models folder)."""
+    `registry`: the local models the workers registered (the API needs no models folder);
+    `hub_token()`: the Hub token the job would use (asked only for a Hub model's check)."""
     try:
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
@@ -93,7 +100,7 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s)
+        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s, hub_token)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -191,12 +198,16 @@ HIGGS_ONLY_OPTIONS = (
 
 
 def check_gguf_request(
-    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub_timeout_s: float = 0.0
+    req: JobCreate,
+    ref: ModelSource,
+    registry: LocalNames | None,
+    hub_timeout_s: float = 0.0,
+    hub_token: HubTokenGetter | None = None,
 ) -> None:
     """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
     target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
     model's as the workers registered it, a Hub model's from its config.json within
-    `hub_timeout_s`)."""
+    `hub_timeout_s`, read with the job's own Hub token)."""
     from higgs_engine.planning.gguf_types import (
         GGUF_ARCHITECTURES,
         max_menu_bits,
@@ -264,7 +275,8 @@ def check_gguf_request(
     elif ref.kind == "hub":
         from app.jobs.hub_config import hub_architecture
 
-        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s)
+        token = hub_token() if hub_token is not None and hub_timeout_s > 0 else None
+        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s, token)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
