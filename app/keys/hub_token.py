@@ -70,7 +70,7 @@ def _cipher(setting: str | None) -> MultiFernet | None:
 
 def _check_token(token: str) -> str:
     token = token.strip()
-    if not _TOKEN.match(token):
+    if not _TOKEN.fullmatch(token):
         # The value is a secret: the message describes it and never repeats it.
         raise ValidationFailedError.field(
             "token",

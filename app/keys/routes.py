@@ -20,7 +20,11 @@ class HubTokenIn(BaseModel):
     # validation errors quote what they got).
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    token: str = Field(description="a Hugging Face access token (hf_...)")
+    token: str = Field(
+        description="a Hugging Face access token (hf_...): 8..512 printable ASCII characters "
+        "without spaces",
+        json_schema_extra={"minLength": 8, "maxLength": 512, "pattern": r"^[\x21-\x7e]+$"},
+    )
 
 
 class HubTokenOut(BaseModel):
@@ -50,7 +54,7 @@ def get_hub_token(sessions: SessionsDep, key: CurrentKey) -> HubTokenOut:
 @router.put(
     "/hub-token",
     response_model=HubTokenOut,
-    responses=problems(*AUTHENTICATED, 413, 422),
+    responses=problems(*AUTHENTICATED, 400, 413, 422),
     summary="Set the caller's Hub token (stored encrypted; 422 when the service stores none)",
 )
 def put_hub_token(

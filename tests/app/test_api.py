@@ -485,7 +485,11 @@ def test_progress_layers_report_and_failure_views(
         state.claim(s, failed, "w")
         state.fail(s, failed, "model_not_found", "no checkpoint at tiny")
     view = client.get(f"/v1/jobs/{failed}", headers=auth).json()
-    assert view["error"] == {"code": "model_not_found", "message": "no checkpoint at tiny"}
+    assert view["error"] == {
+        "code": "model_not_found",
+        "message": "no checkpoint at tiny",
+        "scratch_reclaimed_bytes": None,
+    }
 
 
 def test_broker_down_still_accepts_and_leaves_job_for_the_sweep(
