@@ -53,7 +53,7 @@ class ProgressWriter:
         self._lock = threading.Lock()
         # Called first on every progress call; raises to stop the attempt (worker.scratch's
         # disk quota). None: nothing to check.
-        self.guard: Callable[[], None] | None = None
+        self.guard: Callable[[str, int, int], None] | None = None
 
     def write(self, stage: str, done: int, total: int) -> bool:
         def once() -> bool:
@@ -79,7 +79,7 @@ class ProgressWriter:
         if self.stop.is_set():
             return False
         if self.guard is not None:
-            self.guard()
+            self.guard(stage, done, total)
         changed = stage != self.last[0]
         self.last = (stage, done, total)
         due = self.clock() - self._last_write >= self.min_interval

@@ -181,9 +181,10 @@ def note_reclaimed(sessions: SessionFactory, job_id: str, nbytes: int, budget_s:
 
 @dataclass
 class DiskGuard:
-    """Called from the attempt's progress callback: measures the staging folder (at most every
-    `interval_s`), records it on the job row, and raises DiskQuotaError once the key's artifacts,
-    its other running attempts' scratch and this scratch together pass `quota` bytes."""
+    """Called from the attempt's progress callback: measures the staging folder (on every new
+    stage, at the end of each stage, and otherwise at most every `interval_s`), records it on
+    the job row, and raises DiskQuotaError once the key's artifacts, its other running
+    attempts' scratch and this scratch together pass `quota` bytes."""
 
     sessions: SessionFactory
     job_id: str
@@ -194,10 +195,13 @@ class DiskGuard:
     _next: float = -1e18
     # Bytes of the staging folder at the last check.
     last: int = 0
+    _stage: str = ""
 
-    def __call__(self) -> None:
+    def __call__(self, stage: str = "", done: int = 0, total: int = 0) -> None:
         now = self.clock()
-        if now < self._next:
+        boundary = stage != self._stage or done >= total
+        self._stage = stage
+        if now < self._next and not boundary:
             return
         self._next = now + self.interval_s
         scratch = self.last = tree_bytes(self.staging)

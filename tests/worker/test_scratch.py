@@ -84,7 +84,7 @@ def test_a_running_job_past_its_keys_disk_quota_fails_cleanly(
     settings: Settings, sessions: sessionmaker[Session], runner_cfg: RunnerConfig
 ) -> None:
     job_id = create_job_row(sessions, settings, BODY)
-    cfg = dataclasses.replace(runner_cfg, disk_quota_bytes_per_key=1, debug_layer_delay_s=0.05)
+    cfg = dataclasses.replace(runner_cfg, disk_quota_bytes_per_key=1)  # no layer delay
     outcome = run_job(sessions, job_id, cfg)
     assert outcome.status == "failed", outcome
     job = _job(sessions, job_id)
