@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.admission import FairAdmissionMiddleware
 from app.artifacts.routes import router as artifacts_router
 from app.calibrations.routes import router as calibrations_router
 from app.db.session import (
@@ -404,7 +405,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ops_router)
     app.include_router(webhooks_router)
     install_ui(app)
-    # Outermost last: latency sees everything, the body limit runs before routing.
+    # Outermost last: latency sees everything, the body limit runs before routing, and the
+    # fair queue sits right in front of the routes (a request waits its turn there, its body
+    # already read or read without holding a place).
+    app.add_middleware(FairAdmissionMiddleware, most=settings.api_concurrency)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,

@@ -116,6 +116,10 @@ class Settings(BaseSettings):
     # db_pool_size + db_max_overflow so that requests waiting for a connection still get a
     # thread, and time out on db_pool_timeout_s or the request deadline.
     threadpool_size: int = Field(default=40, ge=1)
+    # Requests an API process works on at once (app.admission); the others wait their turn in
+    # arrival order, round robin over API keys, holding no thread (0 = no limit: every request
+    # at once, in no particular order).
+    api_concurrency: int = Field(default=8, ge=0)
     # A request with a body (POST, PUT, PATCH) must have sent all of it within this many seconds
     # of its start (408 body_timeout and the connection closed otherwise); its API key is checked
     # before any of it is read. 0 = no deadline.

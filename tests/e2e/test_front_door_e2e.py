@@ -385,3 +385,40 @@ def test_forwarded_for_is_believed_only_from_configured_proxies(stack_factory: A
     proxied.start_api()
     assert _failed_auths(proxied.url, rotating) == [401] * 8
     assert _failed_auths(proxied.url, ["198.51.100.7"] * 5) == [401] * 3 + [429] * 2
+
+
+def test_streams_and_slow_bodies_hold_no_place_in_the_queue(stack_factory: Any) -> None:
+    """With a queue of 2 (HIGGS_API_CONCURRENCY), 4 open event streams and 2 uploads whose
+    body is still arriving take none of its places: polls are answered at once."""
+    stack: Stack = stack_factory("local")
+    stack.env["HIGGS_API_CONCURRENCY"] = "2"
+    stack.migrate()
+    key = stack.create_key("patient")
+    stack.start_api()
+    with stack.client(key) as c:
+        r = c.post("/v1/jobs", json={"model": {"id": TINY_MODEL}, "target": {"bits": 4}})
+        job = r.json()["id"]
+    held = []
+    try:
+        for _ in range(4):
+            s = _raw(stack.url)
+            s.sendall(
+                f"GET /v1/jobs/{job}/events HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer "
+                f"{key}\r\n\r\n".encode()
+            )
+            s.settimeout(10)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200"), "stream not opened"
+            held.append(s)
+        for _ in range(2):
+            s = _raw(stack.url)
+            s.sendall(_post_head("/v1/calibrations", 10_000, key) + b"a few words")
+            held.append(s)
+        time.sleep(0.5)
+        with stack.client(key) as c:
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert c.get(f"/v1/jobs/{job}").status_code == 200
+                assert time.monotonic() - t0 < 2.0
+    finally:
+        for s in held:
+            s.close()
