@@ -40,10 +40,10 @@ from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 
-# The Hub token a job of the caller's key would use (app.keys.hub_token), asked lazily.
-HubTokenGetter = Callable[[], "str | None"]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
+# hub(model_id, revision) -> the Hub model's architecture, None when unknown
+HubLookup = Callable[[str, str | None], str | None]
 
 
 class ReportNotReadyError(ConflictError):
@@ -79,11 +79,12 @@ def validate_request(
     req: JobCreate,
     settings: Settings,
     registry: LocalNames | None = None,
-    hub_token: HubTokenGetter | None = None,
+    hub: HubLookup | None = None,
 ) -> JobSpec:
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
     `registry`: the local models the workers registered (the API needs no models folder);
-    `hub_token()`: the Hub token the job would use (asked only for a Hub model's check)."""
+    `hub`: how a Hub model's architecture is read (app.jobs.hub_check, bounded and cached;
+    None: not at submit, the worker checks it)."""
     try:
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
@@ -100,7 +101,7 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s, hub_token)
+        check_gguf_request(req, ref, registry, hub)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -198,16 +199,12 @@ HIGGS_ONLY_OPTIONS = (
 
 
 def check_gguf_request(
-    req: JobCreate,
-    ref: ModelSource,
-    registry: LocalNames | None,
-    hub_timeout_s: float = 0.0,
-    hub_token: HubTokenGetter | None = None,
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
 ) -> None:
     """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
     target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
-    model's as the workers registered it, a Hub model's from its config.json within
-    `hub_timeout_s`, read with the job's own Hub token)."""
+    model's as the workers registered it, a Hub model's from its config.json through `hub`,
+    read with the job's own Hub token)."""
     from higgs_engine.planning.gguf_types import (
         GGUF_ARCHITECTURES,
         max_menu_bits,
@@ -272,11 +269,8 @@ def check_gguf_request(
             arch = read_architecture(ref.path)
         elif registry is not None:
             arch = registry.architecture(req.model.id)
-    elif ref.kind == "hub":
-        from app.jobs.hub_config import hub_architecture
-
-        token = hub_token() if hub_token is not None and hub_timeout_s > 0 else None
-        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s, token)
+    elif ref.kind == "hub" and hub is not None:
+        arch = hub(req.model.id, req.model.revision)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
@@ -332,6 +326,32 @@ def _replay(job: Job, spec: JobSpec) -> Job:
 QUOTA_RETRY_AFTER_S = 30
 
 
+def _check_active(session: Session, key: AuthKey, max_active: int) -> None:
+    active = repository.count_active(session, key.id)
+    if active >= max_active:
+        raise QuotaExceededError(
+            f"this API key has {active} jobs queued or running, the most allowed at once "
+            f"({max_active}); submit again when one has finished",
+            retry_after=QUOTA_RETRY_AFTER_S,
+        )
+
+
+def check_quota_first(
+    session: Session, key: AuthKey, idempotency_key: str | None, max_active: int
+) -> None:
+    """The job quota before anything costly is checked (a Hub model's config read): 429 when
+    the key already has `max_active` jobs queued or running, unless the request replays an
+    existing job by its Idempotency-Key (never refused). create_job counts again, under the
+    key's lock, before its insert: this early count only spares the work of a refused submit."""
+    if max_active <= 0:
+        return
+    if idempotency_key is not None and repository.by_idempotency_key(
+        session, key.id, idempotency_key
+    ):
+        return
+    _check_active(session, key, max_active)
+
+
 def create_job(
     session: Session,
     key: AuthKey,
@@ -353,13 +373,7 @@ def create_job(
             return _replay(existing, spec), False
     if max_active > 0:
         lock_key(session, key.id)  # the count and the insert below, one key at a time
-        active = repository.count_active(session, key.id)
-        if active >= max_active:
-            raise QuotaExceededError(
-                f"this API key has {active} jobs queued or running, the most allowed at once "
-                f"({max_active}); submit again when one has finished",
-                retry_after=QUOTA_RETRY_AFTER_S,
-            )
+        _check_active(session, key, max_active)
     check_disk_quota(session, key.id, disk_quota)
     now = utcnow()
     job = Job(
