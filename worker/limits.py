@@ -3,8 +3,12 @@
 HIGGS_WORKER_MAX_MEMORY_MB (settings.worker_max_memory_mb) is the address space an attempt
 may add to its pool process: while a task runs, the process's RLIMIT_AS is what the process
 already held when the task began (the interpreter, torch and its libraries, thread stacks:
-about 1.5 GB of address space for an idle CPU pool process here, little of it resident) plus
-that many MB. An allocation past it fails at once (MemoryError, a torch allocation error,
+0.9 to 1.2 GB of address space for an idle CPU pool process on the 2-core development
+machine, about 0.4 GB of it resident) plus that many MB. Measured there, in one process with
+one torch thread: a tiny test model's job adds 200 MB (native + dequantized) to 240 MB
+(gguf); SmolLM2-135M at 4 bits adds 430 MB (native + dequantized) and 605 MB (gguf, Q4_K,
+llama.cpp's converter a subprocess with its own cap), artifact checks included, so the default
+4096 leaves room for models several times larger. An allocation past it fails at once (MemoryError, a torch allocation error,
 std::bad_alloc in native code) instead of growing until the kernel's OOM killer picks a
 victim. Subprocesses inherit the limit: llama.cpp's converter runs with the same cap (its own
 address space; what it maps of the checkpoint counts, so the setting must exceed the largest
