@@ -194,8 +194,10 @@ class Settings(BaseSettings):
     job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
     job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)
     worker_concurrency: int = Field(default=1, ge=1)
-    # A job runs in a fresh pool process only when the last one grew past this resident size
-    # (Celery's worker_max_memory_per_child): no fork + re-init between ordinary jobs.
+    # The memory one job attempt may take (worker.limits): its pool process's address space
+    # may grow this many MB during the task, and each subprocess it starts gets the same cap;
+    # past it the job fails with resource_limit. A pool process that grew past this resident
+    # size is also replaced after its job (Celery's worker_max_memory_per_child).
     worker_max_memory_mb: int = Field(default=4096, ge=64)
     # Where the worker computes: "auto" = CUDA when torch can use it, else the CPU.
     device: str = "auto"

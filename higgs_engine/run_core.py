@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from higgs_engine.checkpoint_check import check_tensor_finite
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.methods import Target, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
@@ -127,7 +128,9 @@ def stream_tensors(
     for key in reader:
         pl = by_key.get(key)
         if pl is None or pl.grid is None:
-            nbytes = writer.add_plain(key, reader.get(key))
+            tensor = reader.get(key)
+            check_tensor_finite(key, tensor)  # quantized layers check theirs as they go
+            nbytes = writer.add_plain(key, tensor)
             if pl is not None:
                 writer.keep_layer(pl.spec.name)
                 bits = 8.0 * nbytes / pl.spec.numel

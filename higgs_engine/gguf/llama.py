@@ -8,6 +8,8 @@ the type's own to_float.
 
 Models are loaded with `use_extra_bufts` off: llama.cpp's CPU weight repacking (an extra buffer
 type) is a speed feature only, and it crashed on some AVX-512 machines with Q4_0 / Q4_K files.
+scripts/install_llama_cpp builds llama.cpp without it (GGML_CPU_REPACK=OFF) so that a user's
+`Llama(path)` runs these files too; the flag here still guards a build made elsewhere.
 """
 
 from __future__ import annotations
