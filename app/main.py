@@ -47,6 +47,7 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.jobs.routes import router as jobs_router
+from app.keys.routes import router as keys_router
 from app.keys.service import KeyCache
 from app.limits import RateLimiter, StreamSlots, rate_limiter
 from app.openapi import install_openapi, operation_name
@@ -399,6 +400,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(plans_router)
     app.include_router(ops_router)
     app.include_router(webhooks_router)
+    app.include_router(keys_router)
     install_ui(app)
     # Outermost last: latency sees everything, the body limit runs before routing.
     app.add_middleware(

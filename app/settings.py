@@ -49,7 +49,15 @@ class Settings(BaseSettings):
     artifacts_redirect_ttl_s: int = Field(default=300, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
+    # The service's own Hub token. Jobs use it only for the API keys listed here ("*": every
+    # key; comma-separated key ids; empty: none). Otherwise a job uses its key's own token
+    # (PUT /v1/keys/me/hub-token), or none: public repositories only.
     hf_token: str | None = None
+    hf_token_keys: str = ""
+    # Encrypts the per-key Hub tokens in the database (Fernet, a key derived from this string);
+    # comma-separated: the first encrypts, every one decrypts (rotation). Unset: keys cannot
+    # store a Hub token (422).
+    hub_token_secret: str | None = None
     hf_offline: bool = False
 
     # HTTP
@@ -85,6 +93,10 @@ class Settings(BaseSettings):
     # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
     # quota.
     max_active_jobs_per_key: int = Field(default=20, ge=0)
+    # Disk one key may hold: its jobs' published artifacts plus the scratch of its running
+    # attempts, in bytes (422 disk_quota_exceeded on submit at or above it; a running job that
+    # goes past it fails with disk_quota_exceeded); 0 = no quota.
+    disk_quota_bytes_per_key: int = Field(default=0, ge=0)
     # The Retry-After (s) of 503 answers while the database or broker is unreachable.
     unavailable_retry_after_s: int = Field(default=5, ge=1)
     # GET /metrics answers only `Authorization: Bearer <metrics_key>`; unset: /metrics is off.

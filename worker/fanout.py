@@ -169,7 +169,7 @@ def run_part(
 ) -> Outcome:
     """One attempt at one part. Idempotent: a part that is not queued is left alone."""
     from higgs_engine.parts import Part, quantize_part
-    from worker.models import resolve_model
+    from worker.models import job_hub_token, resolve_model
 
     worker_id = worker_id or default_worker_id()
     store = cfg.store
@@ -203,7 +203,7 @@ def run_part(
                 claimed.model_id,
                 claimed.model_revision or requested,
                 models_dir=cfg.models_dir,
-                token=cfg.hf_token,
+                token=job_hub_token(sessions, job_id, cfg.hub_tokens),
                 offline=cfg.hf_offline,
                 shards=claimed.shards,
             )
@@ -307,7 +307,7 @@ def assemble(
     what sent it) is recorded in the report."""
     from higgs_engine.parts import assemble_metadata
     from higgs_engine.sources import ResolvedSource
-    from worker.models import resolve_model
+    from worker.models import job_hub_token, resolve_model
 
     worker_id = worker_id or default_worker_id()
     store = cfg.store
@@ -359,7 +359,7 @@ def assemble(
                 claimed.model_id,
                 claimed.pinned or requested,
                 models_dir=cfg.models_dir,
-                token=cfg.hf_token,
+                token=job_hub_token(sessions, job_id, cfg.hub_tokens),
                 offline=cfg.hf_offline,
                 # A dynamic target's plan is derived again from the model's files.
                 shards=None if job_cfg.is_dynamic else (),

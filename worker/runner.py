@@ -56,9 +56,10 @@ from worker.dynamic import (
 )
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
-from worker.models import ModelSource, resolve_model
+from worker.models import ModelSource, job_hub_token, resolve_model
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
+from worker.scratch import DiskGuard, note_reclaimed, reclaim_failed
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
 from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
@@ -106,6 +107,8 @@ def run_job(
     )
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
+    if cfg.disk_quota_bytes_per_key > 0:
+        writer.guard = DiskGuard(sessions, job_id, staging, cfg.disk_quota_bytes_per_key)
     try:
         # Before hours of work: the store must be there, and what earlier attempts of this
         # job left in it goes (a local folder: nothing to do before the attempt).
@@ -140,7 +143,10 @@ def run_job(
         if is_storage_full(exc):
             remove_tree(staging)
             return wait_for_storage(sessions, job_id, worker_id, cfg, exc)
-        return fail_job(sessions, job_id, worker_id, cfg, exc)
+        reclaimed = reclaim_failed(staging, writer.guard)
+        outcome = fail_job(sessions, job_id, worker_id, cfg, exc)
+        note_reclaimed(sessions, job_id, reclaimed, cfg.db_retry_s)
+        return outcome
     finally:
         remove_tree(staging)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
@@ -159,6 +165,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
 
     if writer("resolving", 0, 1) is False:
         raise CancelledError("cancelled before the model was resolved")
+    hub_token = job_hub_token(sessions, job_id, cfg.hub_tokens)
     requested = (request.get("model") or {}).get("revision")
     job_cfg = JobConfig.load(attempt.claimed.config)
     # Dynamic targets fan out after the profile and the allocation (one worker, here).
@@ -172,7 +179,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         model_id,
         pinned or requested,
         models_dir=cfg.models_dir,
-        token=cfg.hf_token,
+        token=hub_token,
         offline=cfg.hf_offline,
         # A Hub model that may fan out: its shard index first, each part fetches its shards
         # (a dynamic target's profile needs every shard here).
@@ -215,7 +222,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
                 model_id,
                 source.revision,
                 models_dir=cfg.models_dir,
-                token=cfg.hf_token,
+                token=hub_token,
                 offline=cfg.hf_offline,
             )
     evaluate = job_cfg.evaluate

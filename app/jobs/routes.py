@@ -22,6 +22,7 @@ from app.errors import UnauthorizedError
 from app.jobs import repository, service, state
 from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
+from app.keys.hub_token import HubTokens, HubTokenUnreadableError
 from app.keys.service import KeyCache
 from app.limits import StreamSlots
 from app.openapi import AUTHENTICATED, problems
@@ -72,7 +73,15 @@ def submit_job(
     ] = None,
 ) -> Response:
     registry = Registry(sessions, stale_after_s(settings))
-    spec = service.validate_request(body, settings, registry)
+
+    def hub_token() -> str | None:
+        with sessions() as session:
+            try:
+                return HubTokens.from_settings(settings).for_key(session, key.id)
+            except HubTokenUnreadableError:
+                return None  # the worker says so, failing the job
+
+    spec = service.validate_request(body, settings, registry, hub_token)
     with sessions() as session:
         spec = service.with_calibration(session, key, body, spec)
         job, created = service.create_job(
@@ -81,6 +90,7 @@ def submit_job(
             spec,
             service.check_idempotency_key(idempotency_key),
             max_active=settings.max_active_jobs_per_key,
+            disk_quota=settings.disk_quota_bytes_per_key,
         )
     headers = {"Location": service.job_url(job.id)}
     if created:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +27,7 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.jobs import repository, state
+from app.jobs.disk import check_disk_quota
 from app.jobs.job_config import JobConfig
 from app.jobs.local_models import read_architecture
 from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
@@ -38,6 +40,8 @@ from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
 
+# The Hub token a job of the caller's key would use (app.keys.hub_token), asked lazily.
+HubTokenGetter = Callable[[], "str | None"]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
 
@@ -72,10 +76,14 @@ def config_error_field(error: InvalidConfigError, target_kind: str) -> str:
 
 
 def validate_request(
-    req: JobCreate, settings: Settings, registry: LocalNames | None = None
+    req: JobCreate,
+    settings: Settings,
+    registry: LocalNames | None = None,
+    hub_token: HubTokenGetter | None = None,
 ) -> JobSpec:
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
-    `registry`: the local models the workers registered (the API needs no models folder)."""
+    `registry`: the local models the workers registered (the API needs no models folder);
+    `hub_token()`: the Hub token the job would use (asked only for a Hub model's check)."""
     try:
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
@@ -92,7 +100,7 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s)
+        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s, hub_token)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -174,15 +182,53 @@ def validate_request(
     )
 
 
+# Options of HIGGS artifacts only: a gguf job given any of them is refused, naming each, rather
+# than run with the option silently ignored.
+HIGGS_ONLY_OPTIONS = (
+    "p",
+    "n",
+    "group_size",
+    "rotation_block",
+    "skip",
+    "dtype",
+    "sign_seed",
+    "scale_rule",
+    "seed",
+)
+
+
 def check_gguf_request(
-    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub_timeout_s: float = 0.0
+    req: JobCreate,
+    ref: ModelSource,
+    registry: LocalNames | None,
+    hub_timeout_s: float = 0.0,
+    hub_token: HubTokenGetter | None = None,
 ) -> None:
-    """What a GGUF job can be asked for: the format alone, data-free, a target at or above the
-    cheapest llama.cpp type, and an architecture llama.cpp's converter knows (a local model's as
-    the workers registered it, a Hub model's from its config.json within `hub_timeout_s`)."""
-    from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
+    """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
+    target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
+    model's as the workers registered it, a Hub model's from its config.json within
+    `hub_timeout_s`, read with the job's own Hub token)."""
+    from higgs_engine.planning.gguf_types import (
+        GGUF_ARCHITECTURES,
+        max_menu_bits,
+        min_menu_bits,
+    )
 
     opts = req.options
+    higgs_only = [name for name in HIGGS_ONLY_OPTIONS if name in opts.model_fields_set]
+    if higgs_only:
+        names = ", ".join(f"options.{name}" for name in higgs_only)
+        raise ValidationFailedError(
+            f"{names}: HIGGS options that a gguf file does not take (its tensors are in "
+            "llama.cpp's own types, chosen for the target); omit them",
+            errors=[
+                {
+                    "field": f"options.{name}",
+                    "message": f"options.{name} is a HIGGS option; a gguf job does not take it",
+                }
+                for name in higgs_only
+            ],
+        )
     if "scope" in opts.model_fields_set and opts.scope != "all":
         raise ValidationFailedError.field(
             "options.scope",
@@ -205,6 +251,12 @@ def check_gguf_request(
             "target.bits",
             f"target.bits={value:g} is below the smallest GGUF type (Q2_K, 2 code bits)",
         )
+    if kind in ("bits", "avg_bits") and value > max_menu_bits():
+        raise ValidationFailedError.field(
+            f"target.{kind}",
+            f"target.{kind}={value:g} is above the widest GGUF type "
+            f"(F16, {max_menu_bits():g} bits per weight)",
+        )
     if kind == "avg_bits" and value < min_menu_bits():
         raise ValidationFailedError.field(
             "target.avg_bits",
@@ -223,7 +275,8 @@ def check_gguf_request(
     elif ref.kind == "hub":
         from app.jobs.hub_config import hub_architecture
 
-        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s)
+        token = hub_token() if hub_token is not None and hub_timeout_s > 0 else None
+        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s, token)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
@@ -286,12 +339,14 @@ def create_job(
     idempotency_key: str | None,
     *,
     max_active: int = 0,
+    disk_quota: int = 0,
 ) -> tuple[Job, bool]:
     """Insert the job (status queued) and commit. Returns (job, created). With an
     Idempotency-Key, concurrent identical requests all get the one job: the unique constraint
     (api_key_id, idempotency_key) decides the race, the losers read the winner's row.
     max_active > 0: QuotaExceededError (429) when the key already has that many jobs queued
-    or running (a replay of an existing job is never refused)."""
+    or running (a replay of an existing job is never refused). disk_quota > 0:
+    DiskQuotaExceededError (422) when the key holds that many bytes of artifacts and scratch."""
     if idempotency_key is not None:
         existing = repository.by_idempotency_key(session, key.id, idempotency_key)
         if existing is not None:
@@ -305,6 +360,7 @@ def create_job(
                 f"({max_active}); submit again when one has finished",
                 retry_after=QUOTA_RETRY_AFTER_S,
             )
+    check_disk_quota(session, key.id, disk_quota)
     now = utcnow()
     job = Job(
         id=str(uuid.uuid4()),
@@ -444,7 +500,11 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
             "updated_at": job.updated_at,
             "request": request,
             "config": job.config,
-            "error": {"code": job.error_code, "message": job.error_message or ""}
+            "error": {
+                "code": job.error_code,
+                "message": job.error_message or "",
+                "scratch_reclaimed_bytes": job.scratch_reclaimed_bytes,
+            }
             if failed
             else None,
             "summary": job.summary,

@@ -121,10 +121,28 @@ def test_other_formats_never_ask_the_hub(hub: str, tmp_path: Path) -> None:
     assert _Hub.seen == []
 
 
-def test_the_services_hub_token_is_sent(
+def test_only_the_jobs_own_token_is_sent(
     hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    validate_request(_gguf("org/llama"), _settings(tmp_path, 3.0))
-    monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    validate_request(_gguf("org/llama", "v2"), _settings(tmp_path, 3.0))
-    assert _Hub.auth == [None, "Bearer hf_secret"]
+    # The process's HF_TOKEN (or stored login) is never sent: only the token the job will use.
+    monkeypatch.setenv("HF_TOKEN", "hf_process_secret")
+    s = _settings(tmp_path, 3.0)
+    validate_request(_gguf("org/llama"), s)
+    validate_request(_gguf("org/llama"), s, None, lambda: "hf_key_secret")
+    validate_request(_gguf("org/llama"), s, None, lambda: "hf_key_secret")  # cached
+    validate_request(_gguf("org/llama"), s, None, lambda: "hf_other_key")
+    # One read per token: an answer read with one key's token is not another's.
+    assert _Hub.auth == [None, "Bearer hf_key_secret", "Bearer hf_other_key"]
+
+
+def test_the_token_is_not_read_when_nothing_asks_the_hub(hub: str, tmp_path: Path) -> None:
+    def never() -> str:
+        raise AssertionError("the token was read")
+
+    validate_request(_gguf("org/llama"), _settings(tmp_path, 0.0), None, never)
+    validate_request(
+        JobCreate.model_validate({"model": {"id": "org/llama"}, "target": {"bits": 4}}),
+        _settings(tmp_path, 3.0),
+        None,
+        never,
+    )
