@@ -20,7 +20,7 @@ and metadata (architecture, tokenizer, chat template), then llama.cpp's quantize
 own block types per tensor from a whole-file allocation measured on that converted file. None
 of it sees the HIGGS codes of a streamed layer, and neither step can take tensors one at a time
 from the quantizing stream, so GGUF stays a separate whole-file path
-(higgs_engine.gguf.run.quantize_gguf, the CLI's and the service's `gguf` format).
+(higgs_engine.gguf.run.run_gguf_plan, the CLI's and the service's `gguf` format).
 """
 
 from __future__ import annotations

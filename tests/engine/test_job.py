@@ -167,7 +167,7 @@ def test_a_failing_annotate_leaves_nothing(ckpt: Path, tmp_path: Path) -> None:
 
 # The stages the CLI and the worker must not call themselves: they build a QuantizeJob and
 # call higgs_engine.job.run.
-FORBIDDEN = {"quantize_checkpoint", "run_dynamic", "quantize_gguf", "assemble_parts"}
+FORBIDDEN = {"quantize_checkpoint", "run_dynamic", "run_gguf_plan", "plan_gguf", "assemble_parts"}
 
 
 def _names_used(path: Path) -> set[str]:
