@@ -18,6 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
+from higgs_engine.planning.config import SCOPES, WHOLE_FILE_FORMATS, WRITER_FORMATS
 from higgs_cli.common import CliError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -454,11 +455,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--formats",
         default=None,
-        help="comma separated: native,dequantized (HIGGS), or gguf alone (a llama.cpp file)",
+        help=f"comma separated: any of {','.join(WRITER_FORMATS)} (HIGGS), or one of "
+        f"{','.join(WHOLE_FILE_FORMATS)} alone (gguf: a llama.cpp file)",
     )
     p.add_argument(
         "--scope",
-        choices=("linear", "all"),
+        choices=SCOPES,
         default=None,
         help="linear (default): the linear layers; all: also the token embedding and an untied head",
     )

@@ -14,10 +14,25 @@ from typing import Any
 from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
 from higgs_engine.planning.config import (
     DEFAULT_SCALE_RULE,
+    DEFAULT_FORMATS,
     DEFAULT_SIGN_SEED,
+    FORMAT_NAMES,
     SCALE_RULES,
     SCOPES,
+    WHOLE_FILE_FORMATS,
+    WRITER_FORMATS,
 )
+
+
+def format_list(value: str) -> str:
+    """--format: comma separated names of higgs_engine.planning.config.FORMAT_NAMES."""
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    bad = [f for f in names if f not in FORMAT_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: each format must be one of {', '.join(FORMAT_NAMES)}"
+        )
+    return ",".join(names)
 
 
 def _sign_seed(value: str) -> int | None:
@@ -83,10 +98,12 @@ def register(subparsers: Any) -> None:
     )
     q.add_argument(
         "--format",
-        default="native,dequantized",
+        type=format_list,
+        default=",".join(DEFAULT_FORMATS),
         metavar="F[,F]",
-        help="artifacts to write: native, dequantized or both (default both); or gguf alone "
-        "(a llama.cpp file)",
+        help=f"artifacts to write: any of {', '.join(WRITER_FORMATS)} (default "
+        f"{','.join(DEFAULT_FORMATS)}); or one of {', '.join(WHOLE_FILE_FORMATS)} alone "
+        "(gguf: a llama.cpp file)",
     )
     q.add_argument(
         "--dtype",

@@ -57,6 +57,7 @@ from higgs_engine.model_structure import (
     load_config,
     model_class,
 )
+from higgs_engine.planning.config import WRITER_FORMATS
 from higgs_engine.safetensors_stream import (
     SHARD_INDEX,
     StreamingSafetensorsWriter,
@@ -269,7 +270,7 @@ def find_model_dir(path: Path) -> tuple[Path, str]:
     kind = artifact_kind(path)
     if kind is not None:
         return path, kind
-    for sub in ("native", "dequantized"):
+    for sub in WRITER_FORMATS:  # native first: the real quantized model
         kind = artifact_kind(path / sub)
         if kind is not None:
             return path / sub, kind

@@ -17,18 +17,21 @@ from pydantic import (
 )
 
 from higgs_engine.planning.config import (
+    DEFAULT_FORMATS,
     DEFAULT_SCALE_RULE,
     DEFAULT_SCOPE,
     DEFAULT_SIGN_SEED,
+    FORMAT_NAMES,
+    FormatName,
     ScaleRule,
     Scope,
 )
 from higgs_engine.planning.layout import is_power_of_two
 
-# native / dequantized: HIGGS artifacts (the default pair); gguf: one file for llama.cpp, in
-# llama.cpp's own types chosen per tensor by the allocator (asked for alone).
-Format = Literal["native", "dequantized", "gguf"]
-_ALL_FORMATS: tuple[Format, ...] = ("native", "dequantized")
+# The engine's format names (higgs_engine.planning.config): native / dequantized, HIGGS
+# artifacts (the default pair); gguf, one file for llama.cpp in llama.cpp's own types chosen per
+# tensor by the allocator (asked for alone).
+Format = FormatName
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # Seeds are stored in JSON and given to torch generators: a signed 64-bit range, non-negative.
 MAX_SEED = 2**63 - 1
@@ -188,9 +191,9 @@ class Options(Strict):
         default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     formats: list[Format] = Field(
-        default_factory=lambda: list(_ALL_FORMATS),
+        default_factory=lambda: list(DEFAULT_FORMATS),
         min_length=1,
-        max_length=3,
+        max_length=len(FORMAT_NAMES),
         json_schema_extra={"uniqueItems": True},
         description="native and/or dequantized (HIGGS, the default pair), or gguf alone: a "
         "GGUF file for llama.cpp whose tensors take llama.cpp's own types, chosen by the "

@@ -17,7 +17,19 @@ SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
     1: tuple(2**k for k in range(1, 9)),
     2: tuple(2**k for k in range(2, 13)),
 }
-FORMATS = ("native", "dequantized")
+# Artifact formats, named here once; every other list (the FORMATS registry of writers, the
+# API's options.formats, the CLI's --format, the console's download links) derives from these.
+# A writer format is streamed tensor by tensor through its FormatWriter (higgs_engine/formats/);
+# a whole-file format is made from the 16-bit checkpoint by another tool (gguf: llama.cpp,
+# higgs_engine/gguf/). Adding a format: its name in one of the two Literals, then its module.
+WriterFormat = Literal["native", "dequantized"]
+WholeFileFormat = Literal["gguf"]
+FormatName = Literal[WriterFormat, WholeFileFormat]
+WRITER_FORMATS: tuple[str, ...] = get_args(WriterFormat)
+WHOLE_FILE_FORMATS: tuple[str, ...] = get_args(WholeFileFormat)
+FORMAT_NAMES: tuple[str, ...] = get_args(FormatName)
+# What a HiggsConfig writes when it names no formats (a choice, not a list of names).
+DEFAULT_FORMATS: tuple[WriterFormat, ...] = ("native", "dequantized")
 # Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
 ScaleRule = Literal["rms", "mse", "unbiased", "mse-unbiased"]
 SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
@@ -84,7 +96,7 @@ class HiggsConfig:
     scale_rule: str = DEFAULT_SCALE_RULE
     # fnmatch patterns of module names to keep in 16 bits (on top of lm_head / embeddings).
     skip: tuple[str, ...] = ()
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     # Per-layer choices (dynamic HIGGS); a layer not named uses (p, n).
     overrides: tuple[LayerOverride, ...] = ()
     # dtype of the dequantized checkpoint and of non-quantized tensors in the native artifact.
@@ -110,10 +122,11 @@ class HiggsConfig:
             raise InvalidConfigError(
                 f"group_size={self.group_size} must be a power of two", field="group_size"
             )
-        bad = [f for f in self.formats if f not in FORMATS]
+        bad = [f for f in self.formats if f not in WRITER_FORMATS]
         if bad or not self.formats:
             raise InvalidConfigError(
-                f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}",
+                f"formats={list(self.formats)} must be a non-empty subset of "
+                f"{list(WRITER_FORMATS)}",
                 field="formats",
             )
         if self.scale_rule not in SCALE_RULES:
@@ -221,6 +234,6 @@ class HiggsConfig:
         d.setdefault("sign_seed", None)
         d.setdefault("scale_rule", "rms")
         d["skip"] = tuple(d.get("skip", ()))
-        d["formats"] = tuple(d.get("formats", FORMATS))
+        d["formats"] = tuple(d.get("formats", DEFAULT_FORMATS))
         d["overrides"] = tuple(LayerOverride(**o) for o in d.get("overrides", ()))
         return cls(**d)

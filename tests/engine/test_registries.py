@@ -80,7 +80,7 @@ def _context(ckpt: Path, out: Path, config: HiggsConfig, method_name: str) -> Ru
 
 
 def test_registered_formats_are_the_names_the_config_accepts() -> None:
-    assert sorted(FORMATS) == sorted(planning_config.FORMATS)
+    assert sorted(FORMATS) == sorted(planning_config.WRITER_FORMATS)  # every name has its writer
     assert all(cls.name == name for name, cls in FORMATS.items())
     HiggsConfig(formats=tuple(FORMATS))
     with pytest.raises(InvalidConfigError, match="toy"):
@@ -90,14 +90,44 @@ def test_registered_formats_are_the_names_the_config_accepts() -> None:
     assert exc.value.field == "formats"
 
 
-def test_the_api_offers_the_registered_formats_and_gguf() -> None:
-    """The API's options.formats names (app/jobs/schemas.Format) are the registry's streaming
-    formats plus gguf (the whole-file path): a format added to one is offered by the other."""
-    from typing import get_args
+def test_every_list_of_format_names_derives_from_the_one_definition() -> None:
+    """The API's options.formats, the CLI's --format and the registry all take their names
+    from planning.config's Literals: what they offer is exactly FORMAT_NAMES."""
+    import argparse
 
-    from app.jobs.schemas import Format
+    from app.jobs.schemas import Options
+    from higgs_cli.engine_cmds import format_list
 
-    assert set(get_args(Format)) == {*FORMATS, "gguf"}
+    names = planning_config.FORMAT_NAMES
+    assert names == planning_config.WRITER_FORMATS + planning_config.WHOLE_FILE_FORMATS
+    assert set(planning_config.DEFAULT_FORMATS) <= set(planning_config.WRITER_FORMATS)
+    prop = Options.model_json_schema()["properties"]["formats"]
+    assert prop["items"]["enum"] == list(names) and prop["maxItems"] == len(names)
+    assert Options().formats == list(planning_config.DEFAULT_FORMATS)
+    assert format_list(" , ".join(names)) == ",".join(names)
+    with pytest.raises(argparse.ArgumentTypeError, match=", ".join(names)):
+        format_list("native,toy")
+
+
+def test_no_shipped_module_spells_out_a_list_of_format_names() -> None:
+    """Outside planning/config.py no tuple, list or set of the shipped packages holds two or
+    more format names: a format added there reaches every list by itself."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    names = set(planning_config.FORMAT_NAMES)
+    home = root / "higgs_engine" / "planning" / "config.py"
+    found = []
+    for pkg in ("higgs_engine", "app", "worker", "higgs_cli"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == home:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                elts = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
+                hits = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
+                if len(hits) >= 2:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {hits}")
+    assert not found, found
 
 
 def test_registered_methods_are_named_by_their_keys() -> None:
