@@ -56,9 +56,9 @@ from higgs_engine.profile import compute_profile
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:
     """bitsandbytes-style NF4, blocks of 64, absmax double-quantized (about 4.13 bits)."""
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
 
-    res = METHODS["nf4-dq"].quantize(w, Target(group_size=64))
+    res = METHODS["nf4-dq"].quantize(w, Precision(group_size=64))
     return res.w_hat, res.bits
 
 

@@ -125,9 +125,9 @@ def higgs_default_fn(
 
 def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=group_size))
+        res = METHODS["rtn"].quantize(w, Precision(bits=bits, group_size=group_size))
         return res.w_hat, res.bits
 
     return run
@@ -135,9 +135,9 @@ def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
 
 def nf4_fn(block_size: int = 64) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["nf4"].quantize(w, Target(group_size=block_size))
+        res = METHODS["nf4"].quantize(w, Precision(group_size=block_size))
         return res.w_hat, res.bits
 
     return run
@@ -147,9 +147,9 @@ def nf4_dq_fn(block_size: int = 64) -> QuantFn:
     """NF4 with the absmax constants double-quantized (bitsandbytes' bnb_4bit_use_double_quant)."""
 
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["nf4-dq"].quantize(w, Target(group_size=block_size))
+        res = METHODS["nf4-dq"].quantize(w, Precision(group_size=block_size))
         return res.w_hat, res.bits
 
     return run

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods import Target, method
+from higgs_engine.methods import Precision, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -159,7 +159,7 @@ def _quantize_one(
         w_hat = dequantize_matrix(q)
         bits = float(q.bits_per_weight())
     else:
-        res = method(ctx.method).quantize(w, Target(grid=grid), ctx.config, device=ctx.device)
+        res = method(ctx.method).quantize(w, Precision(grid=grid), ctx.config, device=ctx.device)
         q, w_hat, bits = res.quantized, res.w_hat, res.bits
     err = float(relative_error(w, w_hat))
     del w

@@ -74,7 +74,7 @@ class Strict(BaseModel):
 
 
 def _exactly_one_target_schema(schema: dict[str, Any]) -> None:
-    """The OpenAPI form of Target's rule, one object per kind with its one number (never
+    """The OpenAPI form of TargetRequest's rule, one object per kind with its one number (never
     null), so SDK generators make a union of three small types."""
     props = schema.get("properties", {})
     names = {"bits": "BitsTarget", "avg_bits": "AvgBitsTarget", "max_ppl_increase": "PplTarget"}
@@ -121,8 +121,9 @@ class ModelRef(Strict):
     )
 
 
-class Target(Strict):
-    """Exactly one of the three (the others omitted, not null)."""
+class TargetRequest(Strict):
+    """A request's target: exactly one of the three (the others omitted, not null). Its
+    dynamic kinds become the engine's higgs_engine.planning.plans.Target."""
 
     model_config = ConfigDict(json_schema_extra=_exactly_one_target_schema)
 
@@ -152,7 +153,7 @@ class Target(Strict):
         return data
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> Target:
+    def _exactly_one(self) -> TargetRequest:
         given = [k for k in TARGET_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -252,7 +253,7 @@ class Options(Strict):
 
 class JobCreate(Strict):
     model: ModelRef
-    target: Target
+    target: TargetRequest
     options: Options = Field(default_factory=Options)
     webhook_url: str | None = Field(
         default=None,

@@ -12,7 +12,7 @@ from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.model_ref import ModelRefError, resolve_model
-from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, Target
+from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, TargetRequest
 from app.jobs.service import config_error_field
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
@@ -41,7 +41,7 @@ class PlanOptions(Strict):
 
 class PlanCreate(Strict):
     model: ModelRef
-    target: Target | None = Field(
+    target: TargetRequest | None = Field(
         default=None, description="avg_bits or max_ppl_increase; omitted: the curve only"
     )
     metric: Literal["kl", "ppl", "cos"] | None = Field(

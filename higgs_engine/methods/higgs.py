@@ -1,7 +1,7 @@
 """HIGGS: data-free ("higgs", what every run quantizes a layer with) and calibrated
 ("higgs-gptq": GPTQ with the HIGGS grid, the layers of one input swept together). Both give the
 QuantizedMatrix the native format stores; the grid, scale group, rotation block, signs and
-scale rule come from the HiggsConfig (the grid and scale group from the Target when it names
+scale rule come from the HiggsConfig (the grid and scale group from the Precision when it names
 them)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Target
+from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Precision
 
 if TYPE_CHECKING:
     import torch
@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 __all__ = ["HiggsGptqMethod", "HiggsMethod"]
 
 
-def _grid(target: Target, config: HiggsConfig) -> tuple[int, int]:
-    return target.grid if target.grid is not None else (config.p, config.n)
+def _grid(precision: Precision, config: HiggsConfig) -> tuple[int, int]:
+    return precision.grid if precision.grid is not None else (config.p, config.n)
 
 
-def _group_size(target: Target, config: HiggsConfig) -> int:
-    return target.group_size if target.group_size is not None else config.group_size
+def _group_size(precision: Precision, config: HiggsConfig) -> int:
+    return precision.group_size if precision.group_size is not None else config.group_size
 
 
 class HiggsMethod(DataFreeMethod):
@@ -36,7 +36,7 @@ class HiggsMethod(DataFreeMethod):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -45,12 +45,12 @@ class HiggsMethod(DataFreeMethod):
         from higgs_engine.quantize import quantize_matrix_full
 
         cfg = self.need_config(config)
-        p, n = _grid(target, cfg)
+        p, n = _grid(precision, cfg)
         q, w_hat = quantize_matrix_full(
             w,
             p,
             n,
-            group_size=_group_size(target, cfg),
+            group_size=_group_size(precision, cfg),
             rotation_block=cfg.rotation_block,
             sign_seed=cfg.sign_seed,
             device=device,
@@ -70,7 +70,7 @@ class HiggsGptqMethod(CalibratedMethod):
     def quantize_many(
         self,
         ws: Sequence[torch.Tensor],
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -80,13 +80,13 @@ class HiggsGptqMethod(CalibratedMethod):
 
         cfg = self.need_config(config)
         h = self.need_hessian(hessian)
-        p, n = _grid(target, cfg)
+        p, n = _grid(precision, cfg)
         res = gptq_higgs_many(
             list(ws),
             h,
             p,
             n,
-            group_size=_group_size(target, cfg),
+            group_size=_group_size(precision, cfg),
             rotation_block=cfg.rotation_block,
             sign_seed=cfg.sign_seed,
             scale_rule=cfg.scale_rule,

@@ -329,13 +329,13 @@ def test_primitive_defaults_are_the_pipelines_default_config() -> None:
     """quantize_matrix / gptq_higgs called with their defaults quantize exactly as the pipeline
     does with HiggsConfig() (the run core's METHODS["higgs"], calibrate_layers' GPTQ call)."""
     from higgs_engine.gptq import gptq_higgs
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
     from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig()
     W = _student_t((24, 1536), 4.0, seed=21)
     q_default = quantize_matrix(W, cfg.p, cfg.n)
-    q_pipeline = METHODS["higgs"].quantize(W, Target(grid=(cfg.p, cfg.n)), cfg).quantized
+    q_pipeline = METHODS["higgs"].quantize(W, Precision(grid=(cfg.p, cfg.n)), cfg).quantized
     assert q_pipeline is not None
     assert (q_default.sign_seed, q_default.scale_rule) == (cfg.sign_seed, cfg.scale_rule)
     assert (q_default.group_size, q_default.layout) == (q_pipeline.group_size, q_pipeline.layout)

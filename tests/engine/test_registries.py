@@ -32,7 +32,7 @@ from higgs_engine.methods import (
     CalibratedMethod,
     DataFreeMethod,
     Quantized,
-    Target,
+    Precision,
     method,
 )
 from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
@@ -304,7 +304,7 @@ class SignMethod(DataFreeMethod):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -331,7 +331,7 @@ def test_a_registered_toy_method_runs_through_the_run_core(
         for pl in plans:
             assert pl.grid is not None
             w = pl.spec.weight(reader)
-            assert torch.equal(got[pl.spec.key], SignMethod().quantize(w, Target()).w_hat)
+            assert torch.equal(got[pl.spec.key], SignMethod().quantize(w, Precision()).w_hat)
             row = rows[pl.spec.name]
             assert row.bits == 1.0 + 16.0 / pl.spec.in_features
             assert row.bytes == math.ceil(row.bits * pl.spec.numel / 8)
@@ -366,74 +366,74 @@ def _same_q(a: QuantizedMatrix | None, b: QuantizedMatrix) -> bool:
 def test_higgs_equals_quantize_matrix_full() -> None:
     w = _w()
     cfg = HiggsConfig(p=2, n=64, group_size=64, rotation_block=128, sign_seed=3)
-    res = METHODS["higgs"].quantize(w, Target(grid=(1, 16)), cfg)
+    res = METHODS["higgs"].quantize(w, Precision(grid=(1, 16)), cfg)
     q, w_hat = quantize_matrix_full(
         w, 1, 16, 64, 128, 3, scale_rule=cfg.scale_rule
     )  # the grid from the target, the rest from the config
     assert w_hat is not None
     assert _same_q(res.quantized, q) and torch.equal(res.w_hat, w_hat)
     assert res.bits == q.bits_per_weight()
-    default = METHODS["higgs"].quantize(w, Target(), cfg)  # no grid: the config's
+    default = METHODS["higgs"].quantize(w, Precision(), cfg)  # no grid: the config's
     assert default.quantized is not None and (default.quantized.p, default.quantized.n) == (2, 64)
     with pytest.raises(InvalidConfigError, match="HiggsConfig"):
-        METHODS["higgs"].quantize(w, Target())
+        METHODS["higgs"].quantize(w, Precision())
 
 
 def test_higgs_gptq_equals_gptq_higgs_many() -> None:
     ws, h = [_w(32), _w(16, seed=2)], _hessian()
     cfg = HiggsConfig(p=2, n=256, group_size=128, rotation_block=256)
-    res = METHODS["higgs-gptq"].quantize_many(ws, Target(grid=(2, 256)), cfg, hessian=h)
+    res = METHODS["higgs-gptq"].quantize_many(ws, Precision(grid=(2, 256)), cfg, hessian=h)
     ref = gptq_higgs_many(
         ws, h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule
     )  # as calibrate_layers called it
     assert len(res) == 2
     for r, (q, w_hat) in zip(res, ref, strict=True):
         assert _same_q(r.quantized, q) and torch.equal(r.w_hat, w_hat)
-    one = METHODS["higgs-gptq"].quantize(ws[0], Target(), cfg, hessian=h)
+    one = METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg, hessian=h)
     q1, w1 = gptq_higgs_many(ws[:1], h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule)[
         0
     ]
     assert _same_q(one.quantized, q1) and torch.equal(one.w_hat, w1)
     with pytest.raises(InvalidConfigError, match="calibration"):
-        METHODS["higgs-gptq"].quantize(ws[0], Target(), cfg)
+        METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_rtn_equals_rtn_quantize(bits: int) -> None:
     w = _w(16, 200)  # a short last group
-    res = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=64))
+    res = METHODS["rtn"].quantize(w, Precision(bits=bits, group_size=64))
     w_hat, bpw = rtn_quantize(w, bits, 64)
     assert torch.equal(res.w_hat, w_hat) and res.bits == bpw and res.quantized is None
-    res = METHODS["rtn"].quantize(w, Target(bits=bits))
+    res = METHODS["rtn"].quantize(w, Precision(bits=bits))
     assert torch.equal(res.w_hat, rtn_quantize(w, bits)[0])
     # a grid of whole code bits gives the width: (1, 16) and (2, 256) are 4 bits
     for grid in [(1, 16), (2, 256)]:
         assert torch.equal(
-            METHODS["rtn"].quantize(w, Target(grid=grid)).w_hat, rtn_quantize(w, 4)[0]
+            METHODS["rtn"].quantize(w, Precision(grid=grid)).w_hat, rtn_quantize(w, 4)[0]
         )
     with pytest.raises(InvalidConfigError, match="integer bit width"):
-        METHODS["rtn"].quantize(w, Target(grid=(2, 32)))
+        METHODS["rtn"].quantize(w, Precision(grid=(2, 32)))
 
 
 @pytest.mark.parametrize(("name", "dq"), [("nf4", False), ("nf4-dq", True)])
 def test_nf4_equals_nf4_quantize(name: str, dq: bool) -> None:
     w = _w(24, 100)
     for block in (None, 32):
-        res = METHODS[name].quantize(w, Target(group_size=block))
+        res = METHODS[name].quantize(w, Precision(group_size=block))
         w_hat, bpw = nf4_quantize(w, block or 64, double_quant=dq)
         assert torch.equal(res.w_hat, w_hat) and res.bits == bpw
     with pytest.raises(InvalidConfigError, match="bits=3"):
-        METHODS[name].quantize(w, Target(bits=3))
+        METHODS[name].quantize(w, Precision(bits=3))
 
 
 def test_gptq_int4_equals_gptq_rtn() -> None:
     ws, h = [_w(32), _w(16, seed=2)], _hessian()
-    res = METHODS["gptq-int4"].quantize_many(ws, Target(group_size=128), hessian=h)
+    res = METHODS["gptq-int4"].quantize_many(ws, Precision(group_size=128), hessian=h)
     w_hat, bits = gptq_rtn(torch.cat(ws, 0), h, 4, 128)
     assert torch.equal(torch.cat([r.w_hat for r in res], 0), w_hat)
     assert [r.w_hat.shape[0] for r in res] == [32, 16] and {r.bits for r in res} == {bits}
-    one = METHODS["gptq-int4"].quantize(ws[0], Target(bits=4), hessian=h)
+    one = METHODS["gptq-int4"].quantize(ws[0], Precision(bits=4), hessian=h)
     assert torch.equal(one.w_hat, gptq_rtn(ws[0], h)[0])
     with pytest.raises(InvalidConfigError, match="calibration"):
-        METHODS["gptq-int4"].quantize(ws[0], Target())
+        METHODS["gptq-int4"].quantize(ws[0], Precision())
     assert isinstance(METHODS["gptq-int4"], CalibratedMethod)
