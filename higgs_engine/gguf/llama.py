@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -407,12 +406,3 @@ class LlamaModel:
         if not ptr:
             raise LlamaError("llama.cpp returned no pooled embedding")
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
-
-
-@contextmanager
-def open_model(path: Path, **kw: Any) -> Iterator[LlamaModel]:
-    m = LlamaModel(path, **kw)
-    try:
-        yield m
-    finally:
-        m.close()
