@@ -84,18 +84,10 @@ def higgs_fn(
     scale_search: str = "table",
 ) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.quantize import dequantize_matrix, quantize_matrix
+        from higgs_engine.quantize import MatrixSpec, dequantize_matrix, quantize_matrix
 
-        q = quantize_matrix(
-            w,
-            p,
-            n,
-            group_size=group_size,
-            rotation_block=rotation_block,
-            sign_seed=sign_seed,
-            scale_rule=scale_rule,
-            scale_search=scale_search,
-        )
+        spec = MatrixSpec(p, n, group_size, rotation_block, sign_seed, scale_rule)
+        q = quantize_matrix(w, spec, scale_search=scale_search)
         return dequantize_matrix(q), float(q.bits_per_weight())
 
     return run

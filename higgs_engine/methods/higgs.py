@@ -7,24 +7,26 @@ them)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
-from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Precision
+from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Precision, Quantized
 
 if TYPE_CHECKING:
     import torch
 
-    from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 
 __all__ = ["HiggsGptqMethod", "HiggsMethod"]
 
 
-def _grid(precision: Precision, config: HiggsConfig) -> tuple[int, int]:
-    return precision.grid if precision.grid is not None else (config.p, config.n)
-
-
-def _group_size(precision: Precision, config: HiggsConfig) -> int:
-    return precision.group_size if precision.group_size is not None else config.group_size
+def _spec(precision: Precision, config: HiggsConfig) -> MatrixSpec:
+    """The config's MatrixSpec, with the grid and scale group of `precision` when it names
+    them."""
+    spec = config.matrix_spec(precision.grid)
+    if precision.group_size is None:
+        return spec
+    return replace(spec, group_size=precision.group_size)
 
 
 class HiggsMethod(DataFreeMethod):
@@ -44,18 +46,8 @@ class HiggsMethod(DataFreeMethod):
     ) -> Quantized:
         from higgs_engine.quantize import quantize_matrix_full
 
-        cfg = self.need_config(config)
-        p, n = _grid(precision, cfg)
-        q, w_hat = quantize_matrix_full(
-            w,
-            p,
-            n,
-            group_size=_group_size(precision, cfg),
-            rotation_block=cfg.rotation_block,
-            sign_seed=cfg.sign_seed,
-            device=device,
-            scale_rule=cfg.scale_rule,
-        )
+        spec = _spec(precision, self.need_config(config))
+        q, w_hat = quantize_matrix_full(w, spec, device=device)
         assert w_hat is not None
         return Quantized(w_hat, float(q.bits_per_weight()), q)
 
@@ -78,17 +70,6 @@ class HiggsGptqMethod(CalibratedMethod):
     ) -> list[Quantized]:
         from higgs_engine.gptq import gptq_higgs_many
 
-        cfg = self.need_config(config)
-        h = self.need_hessian(hessian)
-        p, n = _grid(precision, cfg)
-        res = gptq_higgs_many(
-            list(ws),
-            h,
-            p,
-            n,
-            group_size=_group_size(precision, cfg),
-            rotation_block=cfg.rotation_block,
-            sign_seed=cfg.sign_seed,
-            scale_rule=cfg.scale_rule,
-        )
+        spec = _spec(precision, self.need_config(config))
+        res = gptq_higgs_many(list(ws), self.need_hessian(hessian), spec)
         return [Quantized(w_hat, float(q.bits_per_weight()), q) for q, w_hat in res]

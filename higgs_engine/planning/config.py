@@ -67,6 +67,22 @@ DEFAULT_SCALE_RULE: ScaleRule = "mse-unbiased"
 
 
 @dataclass(frozen=True)
+class MatrixSpec:
+    """How one weight matrix is HIGGS-quantized: its grid (p, n) and the settings of a
+    HiggsConfig that shape its codes and scales. What the primitives take
+    (higgs_engine.quantize.quantize_matrix, higgs_engine.gptq.gptq_higgs); they check it
+    against the matrix (check_inputs), so any values may be held here."""
+
+    p: int = 2
+    n: int = 256
+    group_size: int = DEFAULT_GROUP_SIZE
+    rotation_block: int = DEFAULT_ROTATION_BLOCK
+    # None = no random signs before the rotation
+    sign_seed: int | None = DEFAULT_SIGN_SEED
+    scale_rule: str = DEFAULT_SCALE_RULE
+
+
+@dataclass(frozen=True)
 class LayerOverride:
     """Per-layer choice that replaces the config's grid: p=0 means keep the layer in 16 bits."""
 
@@ -205,6 +221,13 @@ class HiggsConfig:
             )
         _, _, pp, nn = max(cands)
         return cls(p=pp, n=nn, **kw)
+
+    def matrix_spec(self, grid: tuple[int, int] | None = None) -> MatrixSpec:
+        """The MatrixSpec of a layer quantized on `grid` (None: the config's p, n)."""
+        p, n = grid if grid is not None else (self.p, self.n)
+        return MatrixSpec(
+            p, n, self.group_size, self.rotation_block, self.sign_seed, self.scale_rule
+        )
 
     def grid_for(self, name: str) -> tuple[int, int] | None:
         """(p, n) used for layer `name`, or None when an override keeps it in 16 bits."""

@@ -4,7 +4,6 @@ what run() returns; the CLI and the worker quantize only through run()."""
 
 from __future__ import annotations
 
-
 import json
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,6 @@ from typing import Any
 import pytest
 
 from devtools.import_graph import names_used
-
 from higgs_engine.job import ProfileSource, QuantizeJob, run
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.options import option_menu

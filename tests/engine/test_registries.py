@@ -31,15 +31,15 @@ from higgs_engine.methods import (
     METHODS,
     CalibratedMethod,
     DataFreeMethod,
-    Quantized,
     Precision,
+    Quantized,
     method,
 )
 from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
 from higgs_engine.parts import shard_counts
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning import config as planning_config
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import QuantizedMatrix, dequantize_matrix, quantize_matrix_full
 from higgs_engine.run_core import LayerPlan, RunContext, plan_layers, stream_tensors
 from higgs_engine.safetensors_stream import CheckpointReader, StreamingSafetensorsWriter
@@ -123,7 +123,9 @@ def test_no_shipped_module_spells_out_a_list_of_format_names() -> None:
             if path == home:
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                elts = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
+                if not isinstance(node, ast.Tuple | ast.List | ast.Set):
+                    continue
+                elts = node.elts
                 hits = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
                 if len(hits) >= 2:
                     found.append(f"{path.relative_to(root)}:{node.lineno} {hits}")
@@ -169,11 +171,13 @@ def _reference(ckpt: Path, out: Path, config: HiggsConfig) -> dict[str, Any]:
             spec = pl.spec
             q, w_hat = quantize_matrix_full(
                 spec.weight(reader),
-                *pl.grid,
-                group_size=config.group_size,
-                rotation_block=config.rotation_block,
-                sign_seed=config.sign_seed,
-                scale_rule=config.scale_rule,
+                MatrixSpec(
+                    *pl.grid,
+                    group_size=config.group_size,
+                    rotation_block=config.rotation_block,
+                    sign_seed=config.sign_seed,
+                    scale_rule=config.scale_rule,
+                ),
             )
             assert w_hat is not None
             native.add(f"{spec.name}.higgs.codes", q.codes)
@@ -368,7 +372,10 @@ def test_higgs_equals_quantize_matrix_full() -> None:
     cfg = HiggsConfig(p=2, n=64, group_size=64, rotation_block=128, sign_seed=3)
     res = METHODS["higgs"].quantize(w, Precision(grid=(1, 16)), cfg)
     q, w_hat = quantize_matrix_full(
-        w, 1, 16, 64, 128, 3, scale_rule=cfg.scale_rule
+        w,
+        MatrixSpec(
+            1, 16, group_size=64, rotation_block=128, sign_seed=3, scale_rule=cfg.scale_rule
+        ),
     )  # the grid from the target, the rest from the config
     assert w_hat is not None
     assert _same_q(res.quantized, q) and torch.equal(res.w_hat, w_hat)
@@ -384,15 +391,33 @@ def test_higgs_gptq_equals_gptq_higgs_many() -> None:
     cfg = HiggsConfig(p=2, n=256, group_size=128, rotation_block=256)
     res = METHODS["higgs-gptq"].quantize_many(ws, Precision(grid=(2, 256)), cfg, hessian=h)
     ref = gptq_higgs_many(
-        ws, h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule
+        ws,
+        h,
+        MatrixSpec(
+            2,
+            256,
+            group_size=128,
+            rotation_block=256,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        ),
     )  # as calibrate_layers called it
     assert len(res) == 2
     for r, (q, w_hat) in zip(res, ref, strict=True):
         assert _same_q(r.quantized, q) and torch.equal(r.w_hat, w_hat)
     one = METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg, hessian=h)
-    q1, w1 = gptq_higgs_many(ws[:1], h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule)[
-        0
-    ]
+    q1, w1 = gptq_higgs_many(
+        ws[:1],
+        h,
+        MatrixSpec(
+            2,
+            256,
+            group_size=128,
+            rotation_block=256,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        ),
+    )[0]
     assert _same_q(one.quantized, q1) and torch.equal(one.w_hat, w1)
     with pytest.raises(InvalidConfigError, match="calibration"):
         METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg)
