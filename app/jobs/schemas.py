@@ -32,6 +32,12 @@ from higgs_engine.planning.layout import is_power_of_two
 # artifacts (the default pair); gguf, one file for llama.cpp in llama.cpp's own types chosen per
 # tensor by the allocator (asked for alone).
 Format = FormatName
+
+
+def _default_formats() -> list[Format]:
+    return list(DEFAULT_FORMATS)
+
+
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # Seeds are stored in JSON and given to torch generators: a signed 64-bit range, non-negative.
 MAX_SEED = 2**63 - 1
@@ -192,7 +198,7 @@ class Options(Strict):
         default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     formats: list[Format] = Field(
-        default_factory=lambda: list(DEFAULT_FORMATS),
+        default_factory=_default_formats,
         min_length=1,
         max_length=len(FORMAT_NAMES),
         json_schema_extra={"uniqueItems": True},

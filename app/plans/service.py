@@ -118,16 +118,13 @@ def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -
         raise ProfileNotFound(f"the profile of {req.model.id!r} is not usable")
     target = {req.target.kind: req.target.value} if req.target else None
     opts = req.options
-    result = compute_plan(
-        data,
-        target,
+    base = HiggsConfig(
         group_size=opts.group_size,
         rotation_block=opts.rotation_block,
         dtype=opts.dtype,
-        p=opts.p,
-        resolution=settings.plan_resolution,
         scope=opts.scope,
     )
+    result = compute_plan(data, target, base, p=opts.p, resolution=settings.plan_resolution)
     cfg = data["config"]
     return {
         "model": {"id": req.model.id, "revision": row.revision},
