@@ -18,8 +18,8 @@ from urllib.parse import quote
 import httpx
 
 from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
-from higgs_engine.planning.config import SCOPES, WHOLE_FILE_FORMATS, WRITER_FORMATS
 from higgs_cli.common import CliError
+from higgs_engine.planning.config import SCOPES, WHOLE_FILE_FORMATS, WRITER_FORMATS
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")

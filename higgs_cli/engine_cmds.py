@@ -13,8 +13,8 @@ from typing import Any
 
 from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
 from higgs_engine.planning.config import (
-    DEFAULT_SCALE_RULE,
     DEFAULT_FORMATS,
+    DEFAULT_SCALE_RULE,
     DEFAULT_SIGN_SEED,
     FORMAT_NAMES,
     SCALE_RULES,

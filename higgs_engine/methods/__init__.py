@@ -21,8 +21,8 @@ from higgs_engine.methods.base import (
     CalibratedMethod,
     DataFreeMethod,
     Method,
-    Quantized,
     Precision,
+    Quantized,
 )
 from higgs_engine.methods.baselines import (
     GptqInt4Method,
@@ -37,8 +37,8 @@ __all__ = [
     "CalibratedMethod",
     "DataFreeMethod",
     "Method",
-    "Quantized",
     "Precision",
+    "Quantized",
     "method",
 ]
 

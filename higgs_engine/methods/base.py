@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.quantize import QuantizedMatrix
 
-__all__ = ["CalibratedMethod", "DataFreeMethod", "Method", "Quantized", "Precision"]
+__all__ = ["CalibratedMethod", "DataFreeMethod", "Method", "Precision", "Quantized"]
 
 
 @dataclass(frozen=True)

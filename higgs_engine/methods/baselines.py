@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Precision
+from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Precision, Quantized
 
 if TYPE_CHECKING:
     import torch
