@@ -19,7 +19,12 @@ import httpx
 
 from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
 from higgs_cli.common import CliError
-from higgs_engine.planning.config import SCOPES, WHOLE_FILE_FORMATS, WRITER_FORMATS
+from higgs_engine.planning.config import (
+    METHOD_NAMES,
+    SCOPES,
+    WHOLE_FILE_FORMATS,
+    WRITER_FORMATS,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -134,6 +139,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         options["evaluate"] = args.evaluate
     if getattr(args, "scope", None) is not None:
         options["scope"] = args.scope
+    if getattr(args, "method", None) is not None:
+        options["method"] = args.method
     if getattr(args, "calibration_tokens", None) is not None:
         if not getattr(args, "calibration", None):
             raise ClientError("--calibration-tokens needs --calibration FILE", 2)
@@ -463,6 +470,13 @@ def register(subparsers: Any) -> None:
         choices=SCOPES,
         default=None,
         help="linear (default): the linear layers; all: also the token embedding and an untied head",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHOD_NAMES,
+        default=None,
+        help="options.method: higgs (default), higgs-gptq (with --calibration), or a baseline "
+        "rtn, nf4, nf4-dq (--formats dequantized, --bits)",
     )
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")

@@ -14,9 +14,11 @@ from typing import Any
 from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
 from higgs_engine.planning.config import (
     DEFAULT_FORMATS,
+    DEFAULT_METHOD,
     DEFAULT_SCALE_RULE,
     DEFAULT_SIGN_SEED,
     FORMAT_NAMES,
+    METHOD_NAMES,
     SCALE_RULES,
     SCOPES,
     WHOLE_FILE_FORMATS,
@@ -104,6 +106,15 @@ def register(subparsers: Any) -> None:
         help=f"artifacts to write: any of {', '.join(WRITER_FORMATS)} (default "
         f"{','.join(DEFAULT_FORMATS)}); or one of {', '.join(WHOLE_FILE_FORMATS)} alone "
         "(gguf: a llama.cpp file)",
+    )
+    q.add_argument(
+        "--method",
+        choices=METHOD_NAMES,
+        default=DEFAULT_METHOD,
+        help="how each layer is quantized: higgs (data-free HIGGS, the default), higgs-gptq "
+        "(calibrated HIGGS: needs --calibration), or a baseline at the same bits: rtn "
+        "(round-to-nearest integers per --group-size group), nf4 / nf4-dq (4-bit NormalFloat "
+        "per --group-size block); the baselines write --format dequantized only, with --bits",
     )
     q.add_argument(
         "--dtype",
@@ -207,6 +218,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "formats": formats,
         "dtype": args.dtype,
         "scope": args.scope or "linear",
+        "method": args.method,
     }
     if args.bits is not None and (not math.isfinite(args.bits) or args.bits <= 0):
         raise CliError(f"--bits {args.bits:g} must be a positive number")

@@ -18,11 +18,13 @@ from pydantic import (
 
 from higgs_engine.planning.config import (
     DEFAULT_FORMATS,
+    DEFAULT_METHOD,
     DEFAULT_SCALE_RULE,
     DEFAULT_SCOPE,
     DEFAULT_SIGN_SEED,
     FORMAT_NAMES,
     FormatName,
+    MethodName,
     ScaleRule,
     Scope,
 )
@@ -240,6 +242,14 @@ class Options(Strict):
     )
     calibration_tokens: int | None = Field(
         default=None, ge=2, le=1_000_000, description="calibration tokens (default 8192)"
+    )
+    method: MethodName = Field(
+        default=DEFAULT_METHOD,
+        description="how each layer is quantized: higgs (data-free HIGGS, the default), "
+        "higgs-gptq (calibrated HIGGS: needs calibration), or a baseline on the same bits, "
+        "rtn (round-to-nearest integers per group of group_size) or nf4 / nf4-dq (4-bit "
+        "NormalFloat per block of group_size, nf4-dq with its scales quantized too); the "
+        'baselines write formats ["dequantized"] only, with target.bits only',
     )
     gguf_rotate: Literal["off", "on", "auto"] | None = Field(
         default=None,

@@ -36,7 +36,13 @@ from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.planning.config import (
+    CONFIG_VERSION,
+    DEFAULT_METHOD,
+    SUPPORTED_GRIDS,
+    HiggsConfig,
+    check_method_job,
+)
 
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
@@ -92,6 +98,15 @@ def validate_request(
     if gguf:
         check_gguf_request(req, ref, registry, settings.hub_check_timeout_s)
     cfg = _engine_config(req, gguf, settings)
+    try:
+        check_method_job(
+            opts.method,
+            calibrated=opts.calibration is not None,
+            dynamic=kind in _DYNAMIC,
+            gguf=gguf,
+        )
+    except InvalidConfigError as e:
+        raise ValidationFailedError.field("options.method", str(e)) from e
     webhook_url = _webhook_url(req, settings)
     if opts.gguf_rotate is not None and not gguf:
         raise ValidationFailedError.field(
@@ -131,6 +146,7 @@ def _engine_config(req: JobCreate, gguf: bool, settings: Settings) -> HiggsConfi
         "seed": opts.seed,
         # a GGUF job quantizes the embedding in llama.cpp's types; its HIGGS config is unused
         "scope": "linear" if gguf else opts.scope,
+        "method": DEFAULT_METHOD if gguf else opts.method,
     }
     check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
@@ -185,6 +201,8 @@ def _canonical_request(req: JobCreate) -> tuple[dict[str, Any], str]:
         request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
     if request.get("options", {}).get("gguf_rotate") is None:
         request.get("options", {}).pop("gguf_rotate", None)  # likewise
+    if request["options"].get("method") == DEFAULT_METHOD:
+        del request["options"]["method"]  # likewise
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
     return request, hashlib.sha256(canonical.encode()).hexdigest()
 

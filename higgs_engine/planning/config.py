@@ -30,6 +30,19 @@ WHOLE_FILE_FORMATS: tuple[str, ...] = get_args(WholeFileFormat)
 FORMAT_NAMES: tuple[str, ...] = get_args(FormatName)
 # What a HiggsConfig writes when it names no formats (a choice, not a list of names).
 DEFAULT_FORMATS: tuple[WriterFormat, ...] = ("native", "dequantized")
+
+# Quantization methods a job may choose (HiggsConfig.method), named once; each is a Method of
+# higgs_engine.methods.METHODS. HIGGS methods write HIGGS codes, which the native format, the
+# allocator of a dynamic target and the worker's evaluation of the native artifact need; a
+# calibrated method needs calibration text. The other registered method, gptq-int4, is the
+# benchmarks' only: a calibrated run stores HIGGS codes (higgs_engine.pipeline).
+MethodName = Literal["higgs", "higgs-gptq", "rtn", "nf4", "nf4-dq"]
+METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
+DEFAULT_METHOD: MethodName = "higgs"
+HIGGS_METHODS: tuple[MethodName, ...] = ("higgs", "higgs-gptq")
+CALIBRATED_METHODS: tuple[MethodName, ...] = ("higgs-gptq",)
+# Methods of one bit width (NF4), and the others' rule: a whole number of code bits (RTN).
+FOUR_BIT_METHODS: tuple[MethodName, ...] = ("nf4", "nf4-dq")
 # Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
 ScaleRule = Literal["rms", "mse", "unbiased", "mse-unbiased"]
 SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
@@ -38,6 +51,32 @@ SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
 Scope = Literal["linear", "all"]
 SCOPES: tuple[str, ...] = get_args(Scope)
 DEFAULT_SCOPE: Scope = "linear"
+
+
+def check_method_job(method: str, *, calibrated: bool, dynamic: bool, gguf: bool) -> None:
+    """What a job's method needs beyond its config (HiggsConfig checks the rest): calibration
+    text for a calibrated method and none for a baseline; HIGGS grids for a dynamic target;
+    the default method for a GGUF file. InvalidConfigError naming the field "method"."""
+    if method in CALIBRATED_METHODS and not calibrated:
+        raise InvalidConfigError(
+            f"method={method!r} is calibrated: it needs calibration text", field="method"
+        )
+    if calibrated and method not in HIGGS_METHODS:
+        raise InvalidConfigError(
+            f"method={method!r} is data-free: calibration runs {list(CALIBRATED_METHODS)}",
+            field="method",
+        )
+    if dynamic and method not in HIGGS_METHODS:
+        raise InvalidConfigError(
+            f"method={method!r} has no HIGGS grids to allocate: a dynamic target needs one of "
+            f"{list(HIGGS_METHODS)} (give a bit width)",
+            field="method",
+        )
+    if gguf and method != DEFAULT_METHOD:
+        raise InvalidConfigError(
+            f"method={method!r}: a gguf file takes llama.cpp's types, not a quantization method",
+            field="method",
+        )
 
 
 def code_bits(p: int, n: int) -> float:
@@ -121,6 +160,8 @@ class HiggsConfig:
     version: int = field(default=CONFIG_VERSION)
     # SCOPES: "all" also quantizes the token embedding (rows = tokens) and an untied head.
     scope: str = DEFAULT_SCOPE
+    # METHOD_NAMES: how each layer is quantized (higgs_engine.methods.METHODS).
+    method: str = DEFAULT_METHOD
 
     def __post_init__(self) -> None:
         check_grid(self.p, self.n)
@@ -166,6 +207,40 @@ class HiggsConfig:
             raise InvalidConfigError(
                 f"scope={self.scope!r} must be one of {list(SCOPES)}", field="scope"
             )
+        self._check_method()
+
+    def _check_method(self) -> None:
+        m = self.method
+        if m not in METHOD_NAMES:
+            raise InvalidConfigError(
+                f"method={m!r} must be one of {list(METHOD_NAMES)}", field="method"
+            )
+        if m in HIGGS_METHODS:
+            return
+        if "native" in self.formats:
+            raise InvalidConfigError(
+                f"method={m!r} has no native encoding: its formats can only be "
+                f"{[f for f in WRITER_FORMATS if f != 'native']} (got {list(self.formats)})",
+                field="method",
+            )
+        bits = self.code_bits
+        if m in FOUR_BIT_METHODS and bits != 4:
+            raise InvalidConfigError(
+                f"method={m!r} is 4-bit; the grid p={self.p} n={self.n} has {bits:g} code bits",
+                field="method",
+            )
+        if not bits.is_integer():
+            raise InvalidConfigError(
+                f"method={m!r} needs a whole number of bits; the grid p={self.p} n={self.n} "
+                f"has {bits:g}",
+                field="method",
+            )
+
+    @property
+    def data_free_method(self) -> str:
+        """The method of a layer quantized without data: a calibrated method's data-free twin
+        for the layers the calibration pass does not reach, else the method itself."""
+        return DEFAULT_METHOD if self.method in CALIBRATED_METHODS else self.method
 
     @property
     def code_bits(self) -> float:
@@ -244,6 +319,8 @@ class HiggsConfig:
         if self.scope == DEFAULT_SCOPE:
             # a linear-only config keeps the exact shape (and artifacts, hashes) it always had
             del d["scope"]
+        if self.method == DEFAULT_METHOD:
+            del d["method"]  # likewise
         return d
 
     @classmethod

@@ -462,3 +462,33 @@ def test_gptq_int4_equals_gptq_rtn() -> None:
     with pytest.raises(InvalidConfigError, match="calibration"):
         METHODS["gptq-int4"].quantize(ws[0], Precision())
     assert isinstance(METHODS["gptq-int4"], CalibratedMethod)
+
+
+def test_the_methods_a_config_offers_are_registered_and_checked() -> None:
+    """HiggsConfig.method names a METHODS entry; what each needs (calibration, HIGGS codes)
+    agrees with the registered Method; a config refuses what its method cannot write."""
+    for name in planning_config.METHOD_NAMES:
+        m = METHODS[name]
+        assert m.native == (name in planning_config.HIGGS_METHODS), name
+        assert m.needs_calibration == (name in planning_config.CALIBRATED_METHODS), name
+    with pytest.raises(InvalidConfigError, match="'toy'") as exc:
+        HiggsConfig(method="toy")
+    assert exc.value.field == "method"
+    with pytest.raises(InvalidConfigError, match="native") as exc:
+        HiggsConfig(method="rtn")  # the default formats include native
+    assert exc.value.field == "method"
+    cfg = HiggsConfig(method="rtn", formats=("dequantized",), p=2, n=64)
+    assert HiggsConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["method"] == "rtn"
+    assert "method" not in HiggsConfig().to_dict()
+    assert HiggsConfig(method="higgs-gptq").data_free_method == "higgs"
+    for kw, needle in (
+        ({"calibrated": False, "dynamic": False, "gguf": False}, "calibration"),
+        ({"calibrated": True, "dynamic": True, "gguf": False}, None),
+    ):
+        if needle is None:
+            planning_config.check_method_job("higgs-gptq", **kw)
+            continue
+        with pytest.raises(InvalidConfigError, match=needle):
+            planning_config.check_method_job("higgs-gptq", **kw)
+    with pytest.raises(InvalidConfigError, match="dynamic target"):
+        planning_config.check_method_job("nf4", calibrated=False, dynamic=True, gguf=False)
