@@ -160,6 +160,11 @@ def _progress_of(job: dict[str, Any]) -> tuple[str, int, int]:
     return str(job.get("stage") or ""), int(prog.get("done") or 0), int(prog.get("total") or 0)
 
 
+def _unit_of(job: dict[str, Any]) -> str:
+    """What the job's progress counts, as the API says (progress.unit)."""
+    return str((job.get("progress") or {}).get("unit") or "step")
+
+
 def wait_for(
     api: Api,
     job_id: str,
@@ -169,10 +174,11 @@ def wait_for(
     show: bool = True,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
-    """Poll the job until it ends, drawing a live progress bar (stage, layers done/total)."""
+    """Poll the job until it ends, drawing a live progress bar (stage, done/total in the
+    stage's unit)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=0, unit="layer", disable=not show, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=0, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True)
     deadline = None if timeout is None else time.monotonic() + timeout
     last: tuple[str, int, int] | None = None
     try:
@@ -182,6 +188,7 @@ def wait_for(
             if (stage, done, total) != last:
                 if last is None or total != last[2] or stage != last[0]:
                     bar.reset(total=total or None)
+                    bar.unit = _unit_of(job)
                 bar.set_description(
                     f"{job.get('status')}:{stage}" if stage else str(job.get("status"))
                 )

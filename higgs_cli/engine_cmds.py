@@ -311,8 +311,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_engine.job import QuantizeJob, run
 
     quiet_libraries()
-    noise = bool(getattr(args, "profile_noise", False))
-    bars = StageBars(args.quiet, {"profiling": "layer"} if noise else None)
+    bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
         calibration = _calibration(args, cal_text, bars)

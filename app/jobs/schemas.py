@@ -284,6 +284,9 @@ class Progress(BaseModel):
     done: int
     total: int
     fraction: float | None
+    # what done / total count for this stage (higgs_engine.planning.stages): token, window,
+    # layer, tensor, file, step; null without a stage
+    unit: str | None = None
 
 
 class JobError(BaseModel):

@@ -43,6 +43,7 @@ from higgs_engine.planning.config import (
     HiggsConfig,
     check_method_job,
 )
+from higgs_engine.planning.stages import stage_unit
 
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
@@ -463,6 +464,7 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
                 "done": job.progress_done,
                 "total": total,
                 "fraction": round(job.progress_done / total, 4) if total else None,
+                "unit": stage_unit(job.stage),
             },
             "cancel_requested": job.cancel_requested,
             "attempts": job.attempts,

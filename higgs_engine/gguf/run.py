@@ -304,7 +304,8 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
     _timed(run, "allocating", t0)
 
     t0 = time.perf_counter()
-    report(run.progress, "quantizing", 0, 1)
+    n_tensors = len(gf.tensors)  # llama.cpp's quantizer writes them all in one call
+    report(run.progress, "quantizing", 0, n_tensors)
     out_sub = tmp / "gguf"
     out_sub.mkdir()
     split = len(f16_shards) > 1
@@ -332,7 +333,7 @@ def _run(run: GgufRun, tmp: Path, scratch: Path) -> Report:
             raise LlamaError(
                 f"llama.cpp stored other types than allocated: {dict(list(wrong.items())[:5])}"
             )
-    report(run.progress, "quantizing", 1, 1)
+    report(run.progress, "quantizing", n_tensors, n_tensors)
     _timed(run, "quantizing", t0)
 
     metrics: dict[str, Any] = {

@@ -41,7 +41,7 @@ def test_submit_get_and_enqueue(
     job = r.json()
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["status"] == "queued" and job["stage"] is None
-    assert job["progress"] == {"done": 0, "total": 0, "fraction": None}
+    assert job["progress"] == {"done": 0, "total": 0, "fraction": None, "unit": None}
     assert job["config"]["version"] == 1 and job["config"]["target"] == {"bits": 4.0}
     assert (job["config"]["engine"]["p"], job["config"]["engine"]["n"]) == (2, 256)
     assert job["request"]["options"]["formats"] == ["native", "dequantized"]
@@ -468,7 +468,16 @@ def test_progress_layers_report_and_failure_views(
         "done": 3,
         "total": 12,
         "fraction": 0.25,
+        "unit": "layer",
     }
+    # each stage names what it counts (higgs_engine.planning.stages)
+    for stage, unit in (("generating", "token"), ("profiling", "window"), ("uploading", "file")):
+        with sessions() as s:
+            state.record_progress(s, jid, stage, 1, 2)
+        got = client.get(f"/v1/jobs/{jid}", headers=auth).json()
+        assert (got["stage"], got["progress"]["unit"]) == (stage, unit)
+    with sessions() as s:
+        state.record_progress(s, jid, "quantizing", 3, 12)
     report = {
         "bits_per_weight": 4.06,
         "bytes_before": 100,

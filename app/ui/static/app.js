@@ -470,14 +470,11 @@ async function renderWebhooks(job) {
   }
 }
 
-// What a running stage's progress counts (docs/api.md); profiling counts layers only with the
-// noise method, which the service does not use by default.
-const STAGE_UNITS = {
-  generating: "tokens",
-  profiling: "windows",
-  quantizing: "layers",
-  measuring: "tensors",
-};
+// What a running stage's progress counts comes with it (progress.unit, docs/api.md).
+function unitText(unit, total) {
+  const u = unit || "step";
+  return total === 1 ? u : `${u}s`;
+}
 
 function renderProgress(snap) {
   const p = snap.progress || {};
@@ -496,7 +493,7 @@ function renderProgress(snap) {
   $("job-progress-text").textContent = terminal
     ? ""
     : p.total
-      ? `${p.done} of ${p.total} ${STAGE_UNITS[snap.stage] || "steps"}`
+      ? `${p.done} of ${p.total} ${unitText(p.unit, p.total)}`
       : "";
 }
 
