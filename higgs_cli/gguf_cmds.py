@@ -108,6 +108,10 @@ def higgs_only_flags(args: argparse.Namespace) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     if args.calibration is not None:
         raise CliError("--calibration is not available with --format gguf (data-free only)")
+    if getattr(args, "method", "higgs") != "higgs":
+        raise CliError(
+            "--method chooses how HIGGS quantizes; --format gguf takes llama.cpp's types"
+        )
     if args.p is not None or args.n is not None:
         raise CliError("--p / --n choose HIGGS grids; --format gguf chooses llama.cpp's types")
     higgs_only = higgs_only_flags(args)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from higgs_engine.dynamic import ProfileSource
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, check_method_job
 from higgs_engine.planning.plans import Target, annotate_report
 from higgs_engine.planning.profile import Profile
 from higgs_engine.progress import ProgressCallback
@@ -84,6 +84,9 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
     existing non-empty `out` only with job.overwrite) and return its Report, the one written
     as out/report.json."""
     out = Path(out)
+    gguf, dynamic = job.gguf is not None, job.target is not None
+    calibrated = job.calibration is not None
+    check_method_job(job.config.method, calibrated=calibrated, dynamic=dynamic, gguf=gguf)
     if job.gguf is not None:
         from higgs_engine.gguf.run import GgufContext, run_gguf_plan
 

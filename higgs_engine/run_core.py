@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from higgs_engine.checkpoint_check import check_tensor_finite
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods import Target, method
+from higgs_engine.methods import Precision, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -95,8 +95,9 @@ class RunContext:
     local_files_only: bool
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)
-    # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer.
-    method: str = "higgs"
+    # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer
+    # without data; None: the config's (HiggsConfig.data_free_method).
+    method: str | None = None
 
 
 @dataclass
@@ -162,7 +163,9 @@ def _quantize_one(
         w_hat = dequantize_matrix(q)
         bits = float(q.bits_per_weight())
     else:
-        res = method(ctx.method).quantize(w, Target(grid=grid), ctx.config, device=ctx.device)
+        name = ctx.method or ctx.config.data_free_method
+        precision = Precision(grid=grid, group_size=ctx.config.group_size)
+        res = method(name).quantize(w, precision, ctx.config, device=ctx.device)
         q, w_hat, bits = res.quantized, res.w_hat, res.bits
     err = float(relative_error(w, w_hat))
     del w

@@ -38,7 +38,14 @@ from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.planning.config import (
+    CONFIG_VERSION,
+    DEFAULT_METHOD,
+    SUPPORTED_GRIDS,
+    HiggsConfig,
+    check_method_job,
+)
+from higgs_engine.planning.stages import stage_unit
 
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
@@ -89,9 +96,7 @@ def validate_request(
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
-
-    target = req.target
-    kind, value = target.kind, target.value
+    kind, value = req.target.kind, req.target.value
     opts = req.options
     if kind in _DYNAMIC and not settings.dynamic_targets:
         raise NotSupportedError.field(
@@ -102,6 +107,43 @@ def validate_request(
     gguf = "gguf" in opts.formats
     if gguf:
         check_gguf_request(req, ref, registry, hub)
+    cfg = _engine_config(req, gguf, settings)
+    try:
+        check_method_job(
+            opts.method,
+            calibrated=opts.calibration is not None,
+            dynamic=kind in _DYNAMIC,
+            gguf=gguf,
+        )
+    except InvalidConfigError as e:
+        raise ValidationFailedError.field("options.method", str(e)) from e
+    webhook_url = _webhook_url(req, settings)
+    if opts.gguf_rotate is not None and not gguf:
+        raise ValidationFailedError.field(
+            "options.gguf_rotate", 'options.gguf_rotate is an option of formats ["gguf"]'
+        )
+    request, request_hash = _canonical_request(req)
+    return JobSpec(
+        request=request,
+        request_hash=request_hash,
+        config=JobConfig(
+            engine=cfg.to_dict(),
+            target={kind: value},
+            evaluate=opts.evaluate,
+            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
+            gguf=gguf,
+            gguf_rotate=opts.gguf_rotate if gguf else None,
+        ),
+        model_id=req.model.id,
+        webhook_url=webhook_url,
+    )
+
+
+def _engine_config(req: JobCreate, gguf: bool, settings: Settings) -> HiggsConfig:
+    """The engine's HiggsConfig of a request (for a GGUF job, the unused defaults), its grid
+    options and dynamic target checked; 422 naming the field."""
+    kind, value = req.target.kind, req.target.value
+    opts = req.options
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -114,6 +156,7 @@ def validate_request(
         "seed": opts.seed,
         # a GGUF job quantizes the embedding in llama.cpp's types; its HIGGS config is unused
         "scope": "linear" if gguf else opts.scope,
+        "method": DEFAULT_METHOD if gguf else opts.method,
     }
     check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
@@ -145,20 +188,22 @@ def validate_request(
         )
     if cfg.version != CONFIG_VERSION:  # pragma: no cover - the engine checks this itself
         raise ValidationFailedError.field("options", f"engine config version {cfg.version}")
+    return cfg
 
-    webhook_url = None
-    if req.webhook_url is not None:
-        try:
-            webhook_url = check_webhook_url(
-                req.webhook_url, allow_private=settings.webhook_allow_private
-            )
-        except WebhookUrlError as e:
-            raise ValidationFailedError.field("webhook_url", str(e)) from e
 
-    if opts.gguf_rotate is not None and not gguf:
-        raise ValidationFailedError.field(
-            "options.gguf_rotate", 'options.gguf_rotate is an option of formats ["gguf"]'
-        )
+def _webhook_url(req: JobCreate, settings: Settings) -> str | None:
+    """The request's webhook_url once the URL rules accept it (422 naming webhook_url)."""
+    if req.webhook_url is None:
+        return None
+    try:
+        return check_webhook_url(req.webhook_url, allow_private=settings.webhook_allow_private)
+    except WebhookUrlError as e:
+        raise ValidationFailedError.field("webhook_url", str(e)) from e
+
+
+def _canonical_request(req: JobCreate) -> tuple[dict[str, Any], str]:
+    """The request as stored and its sha256 (what an Idempotency-Key replay must match).
+    Options added later are left out at their defaults, so earlier requests hash as before."""
     request = req.model_dump(mode="json")
     if request["options"].get("scope") == "linear":
         del request["options"]["scope"]  # the default: the stored request (and hash) as before
@@ -166,21 +211,10 @@ def validate_request(
         request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
     if request.get("options", {}).get("gguf_rotate") is None:
         request.get("options", {}).pop("gguf_rotate", None)  # likewise
+    if request["options"].get("method") == DEFAULT_METHOD:
+        del request["options"]["method"]  # likewise
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
-    return JobSpec(
-        request=request,
-        request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
-        config=JobConfig(
-            engine=cfg.to_dict(),
-            target={kind: value},
-            evaluate=opts.evaluate,
-            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
-            gguf=gguf,
-            gguf_rotate=opts.gguf_rotate if gguf else None,
-        ),
-        model_id=req.model.id,
-        webhook_url=webhook_url,
-    )
+    return request, hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # Options of HIGGS artifacts only: a gguf job given any of them is refused, naming each, rather
@@ -500,6 +534,7 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
                 "done": job.progress_done,
                 "total": total,
                 "fraction": round(job.progress_done / total, 4) if total else None,
+                "unit": stage_unit(job.stage),
             },
             "cancel_requested": job.cancel_requested,
             "attempts": job.attempts,

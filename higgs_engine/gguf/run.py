@@ -378,8 +378,9 @@ def _quantize(run: _Run, chosen: _Candidate, tmp: Path) -> tuple[GgufFile, str]:
     """llama.cpp's quantizer on the kept candidate's 16-bit file with the plan's types (or its
     ftype's mixture); the file read back and checked against the plan."""
     t0 = time.perf_counter()
-    report(run.progress, "quantizing", 0, 1)
     plan = chosen.plan
+    n_tensors = len(chosen.f16.file.tensors)  # llama.cpp's quantizer writes them in one call
+    report(run.progress, "quantizing", 0, n_tensors)
     out_sub = tmp / "gguf"
     out_sub.mkdir()
     shards = chosen.f16.shards
@@ -416,7 +417,7 @@ def _quantize(run: _Run, chosen: _Candidate, tmp: Path) -> tuple[GgufFile, str]:
             raise LlamaError(
                 f"llama.cpp stored other types than allocated: {dict(list(wrong.items())[:5])}"
             )
-    report(run.progress, "quantizing", 1, 1)
+    report(run.progress, "quantizing", n_tensors, n_tensors)
     run.timed("quantizing", t0)
     return written, ftype
 
