@@ -31,13 +31,15 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- llama.cpp (the gguf format)
 # llama-cpp-python is published as source only: built here once, for any x86-64 CPU
-# (GGML_NATIVE=OFF), with llama.cpp's converter taken from the same source distribution.
+# (GGML_NATIVE=OFF), without the CPU weight repacking that crashes Q4_0/Q4_K decoding on some
+# AVX-512 CPUs (GGML_CPU_REPACK=OFF, as scripts/install_llama_cpp), with llama.cpp's converter
+# taken from the same source distribution.
 FROM base AS llama
 ARG LLAMA_CPP_VERSION=0.3.36
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
     && rm -rf /var/lib/apt/lists/*
 RUN pip download --no-deps --no-binary :all: "llama-cpp-python==${LLAMA_CPP_VERSION}" -d /llama \
-    && CMAKE_ARGS="-DGGML_NATIVE=OFF" pip wheel --no-deps \
+    && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CPU_REPACK=OFF" pip wheel --no-deps \
        "/llama/llama_cpp_python-${LLAMA_CPP_VERSION}.tar.gz" --wheel-dir /llama/wheels \
     && mkdir -p /llama/src /llama/convert \
     && tar -xzf "/llama/llama_cpp_python-${LLAMA_CPP_VERSION}.tar.gz" -C /llama/src --wildcards \
@@ -60,7 +62,7 @@ COPY migrations ./migrations
 USER higgs
 ENV HIGGS_DATA_DIR=/data
 EXPOSE 8000
-CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools"]
+CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools", "--no-proxy-headers"]
 
 # ---------------------------------------------------------------- worker (CUDA torch)
 FROM base AS worker

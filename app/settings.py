@@ -128,6 +128,18 @@ class Settings(BaseSettings):
     # db_pool_size + db_max_overflow so that requests waiting for a connection still get a
     # thread, and time out on db_pool_timeout_s or the request deadline.
     threadpool_size: int = Field(default=40, ge=1)
+    # Requests an API process works on at once (app.admission); the others wait their turn in
+    # arrival order, round robin over API keys, holding no thread (0 = no limit: every request
+    # at once, in no particular order).
+    api_concurrency: int = Field(default=8, ge=0)
+    # A request with a body (POST, PUT, PATCH) must have sent all of it within this many seconds
+    # of its start (408 body_timeout and the connection closed otherwise); its API key is checked
+    # before any of it is read. 0 = no deadline.
+    body_timeout_s: float = Field(default=60.0, ge=0)
+    # The proxies whose X-Forwarded-For (and X-Forwarded-Proto) the API believes: addresses and
+    # networks, comma-separated, or * for any peer. Empty: none, the TCP peer is the client (the
+    # address the failed-authentication limit counts).
+    forwarded_allow_ips: str = ""
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True
@@ -182,8 +194,10 @@ class Settings(BaseSettings):
     job_soft_time_limit_s: int = Field(default=6 * 3600, gt=0)
     job_time_limit_s: int = Field(default=6 * 3600 + 300, gt=0)
     worker_concurrency: int = Field(default=1, ge=1)
-    # A job runs in a fresh pool process only when the last one grew past this resident size
-    # (Celery's worker_max_memory_per_child): no fork + re-init between ordinary jobs.
+    # The memory one job attempt may take (worker.limits): its pool process's address space
+    # may grow this many MB during the task, and each subprocess it starts gets the same cap;
+    # past it the job fails with resource_limit. A pool process that grew past this resident
+    # size is also replaced after its job (Celery's worker_max_memory_per_child).
     worker_max_memory_mb: int = Field(default=4096, ge=64)
     # Where the worker computes: "auto" = CUDA when torch can use it, else the CPU.
     device: str = "auto"
@@ -191,6 +205,15 @@ class Settings(BaseSettings):
     # this long) to refuse an architecture llama.cpp's converter does not know at submit; 0 or
     # no answer in time leaves the check to the worker.
     hub_check_timeout_s: float = Field(default=3.0, ge=0)
+    # Those reads hold an API thread each: at most this many run at once per API process (503
+    # with Retry-After beyond), and at most hub_check_per_key of them for one key (429 beyond).
+    hub_check_concurrency: int = Field(default=4, ge=1)
+    hub_check_per_key: int = Field(default=1, ge=1)
+    # How long an architecture read from the Hub is reused, and a failed read (no answer in
+    # time, a private or missing repository) before the Hub is asked again; per (model,
+    # revision), shared by every key of the API process.
+    hub_check_cache_s: float = Field(default=3600.0, ge=0)
+    hub_check_failure_cache_s: float = Field(default=60.0, ge=0)
 
     # options.evaluate: perplexity and KL on this UTF-8 text on the worker (None: such jobs fail
     # with invalid_config before quantizing), over eval_windows windows of eval_context tokens.
@@ -223,6 +246,14 @@ class Settings(BaseSettings):
     # secret mixed into their key so that reading the database alone cannot mint one.
     link_ttl_s: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
     link_secret: str | None = None
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _check_proxies(cls, v: str) -> str:
+        from app.proxies import TrustedProxies
+
+        TrustedProxies(v)  # ValueError naming the entry that is no address
+        return v
 
     @field_validator("device")
     @classmethod

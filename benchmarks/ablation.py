@@ -71,11 +71,12 @@ def variant_fn(
     sign_seed: int | None, scale_rule: str, rotation_block: int
 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, float]]:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.quantize import quantize_matrix_full
+        from higgs_engine.quantize import MatrixSpec, quantize_matrix_full
 
-        q, w_hat = quantize_matrix_full(
-            w, 2, 256, rotation_block=rotation_block, sign_seed=sign_seed, scale_rule=scale_rule
+        spec = MatrixSpec(
+            2, 256, rotation_block=rotation_block, sign_seed=sign_seed, scale_rule=scale_rule
         )
+        q, w_hat = quantize_matrix_full(w, spec)
         assert w_hat is not None
         return w_hat, float(q.bits_per_weight())
 

@@ -82,12 +82,12 @@ def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
     import torch
 
     from higgs_engine.calibration import run_calibrated
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
     from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.safetensors_stream import CheckpointReader
 
     count = 0
-    int4 = Target(bits=4, group_size=128)
+    int4 = Precision(bits=4, group_size=128)
 
     def quantize(group: list[Any], ws: list[torch.Tensor], h: torch.Tensor) -> list[torch.Tensor]:
         nonlocal count
@@ -106,7 +106,7 @@ def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
 
 
 def _rtn4(model_dir: Path) -> dict[str, Any]:
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
     from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.safetensors_stream import CheckpointReader
 
@@ -114,7 +114,7 @@ def _rtn4(model_dir: Path) -> dict[str, Any]:
     with CheckpointReader(model_dir) as reader:
         specs = layer_specs(cfg, reader.keys())
         for spec in specs:
-            METHODS["rtn"].quantize(spec.weight(reader), Target(bits=4, group_size=128))
+            METHODS["rtn"].quantize(spec.weight(reader), Precision(bits=4, group_size=128))
     return {"layers": len(specs)}
 
 

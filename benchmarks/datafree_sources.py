@@ -91,14 +91,7 @@ def quantize_alloc(
                 continue
             key = (name, g)
             if key not in cache:
-                q, w_hat = quantize_matrix_full(
-                    w,
-                    *g,
-                    group_size=cfg.group_size,
-                    rotation_block=cfg.rotation_block,
-                    sign_seed=cfg.sign_seed,
-                    scale_rule=cfg.scale_rule,
-                )
+                q, w_hat = quantize_matrix_full(w, cfg.matrix_spec(g))
                 assert w_hat is not None
                 w_hat = w_hat.to(ARTIFACT_DTYPE)
                 t2 = float((w_hat.float() - w).double().square().sum() / w.double().square().sum())

@@ -56,9 +56,9 @@ from higgs_engine.profile import compute_profile
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:
     """bitsandbytes-style NF4, blocks of 64, absmax double-quantized (about 4.13 bits)."""
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
 
-    res = METHODS["nf4-dq"].quantize(w, Target(group_size=64))
+    res = METHODS["nf4-dq"].quantize(w, Precision(group_size=64))
     return res.w_hat, res.bits
 
 
@@ -86,11 +86,11 @@ class Quantized:
     def get(self, name: str, p: int, n: int) -> tuple[torch.Tensor, float, float]:
         key = (name, p, n)
         if key not in self.cache:
-            from higgs_engine.quantize import dequantize_matrix, quantize_matrix
+            from higgs_engine.quantize import MatrixSpec, dequantize_matrix, quantize_matrix
 
             w = self.originals[name]
             t0 = time.perf_counter()
-            q = quantize_matrix(w, p, n, sign_seed=None, scale_rule="rms")
+            q = quantize_matrix(w, MatrixSpec(p, n, sign_seed=None, scale_rule="rms"))
             w_hat = dequantize_matrix(q).to(ARTIFACT_DTYPE)
             self.seconds += time.perf_counter() - t0
             t2 = float(((w_hat.float() - w).double().pow(2).sum() / w.double().pow(2).sum()).item())

@@ -169,9 +169,7 @@ def matrix_rate(
     cfg = HiggsConfig.from_bits(4)
 
     def once() -> None:
-        quantize_matrix(
-            w, 2, 256, sign_seed=cfg.sign_seed, scale_rule=cfg.scale_rule, device=device
-        )
+        quantize_matrix(w, cfg.matrix_spec(), device=device)
 
     once()  # warm-up (grid tables / kernels)
     best = float("inf")

@@ -103,15 +103,7 @@ def dynamic_method(
         p, n = grids[by_id[id(w)]]
         if p == 0:
             return w.clone(), 16.0
-        q = quantize_matrix(
-            w,
-            p,
-            n,
-            group_size=cfg.group_size,
-            rotation_block=cfg.rotation_block,
-            sign_seed=cfg.sign_seed,
-            scale_rule=cfg.scale_rule,
-        )
+        q = quantize_matrix(w, cfg.matrix_spec((p, n)))
         return dequantize_matrix(q), float(q.bits_per_weight())
 
     info = {

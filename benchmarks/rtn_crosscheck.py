@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.common import environment, fmt, write_results
 from devtools.quality import SMOLLM_DIR, hqq_quantize, linear_layers, load_causal_lm
-from higgs_engine.methods import METHODS, Target
+from higgs_engine.methods import METHODS, Precision
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
             # hqq needs whole groups: compare on the columns that fill them (576 -> 512; the
             # groups are independent, so this drops the short tail group of each row only).
             w = w[:, : w.shape[1] // 128 * 128]
-            ours = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=128)).w_hat
+            ours = METHODS["rtn"].quantize(w, Precision(bits=bits, group_size=128)).w_hat
             ref, _ = hqq_quantize(w, bits, 128, optimize=False, round_zero=True)
             e_ours = float((ours - w).double().square().sum())
             e_ref = float((ref - w).double().square().sum())

@@ -68,34 +68,36 @@ def load_linear_weights(model_dir: Path) -> list[torch.Tensor]:
 def timing_fn(m: Method) -> Any:
     """What is timed for a method: HIGGS's quantize_matrix, or the baseline's function."""
     if m.family == "higgs":
-        from higgs_engine.quantize import quantize_matrix
+        from higgs_engine.quantize import MatrixSpec, quantize_matrix
 
-        p, n = m.params["p"], m.params["n"]
-        kw = {
-            "group_size": m.params.get("group_size", 256),
-            "rotation_block": m.params.get("rotation_block", 1024),
-            "sign_seed": m.params.get("sign_seed"),
-            "scale_rule": m.params.get("scale_rule", "rms"),
-            "scale_search": m.params.get("scale_search", "table"),
-        }
-        return lambda w: quantize_matrix(w, p, n, **kw)
+        spec = MatrixSpec(
+            m.params["p"],
+            m.params["n"],
+            m.params.get("group_size", 256),
+            m.params.get("rotation_block", 1024),
+            m.params.get("sign_seed"),
+            m.params.get("scale_rule", "rms"),
+        )
+        scale_search = m.params.get("scale_search", "table")
+        return lambda w: quantize_matrix(w, spec, scale_search=scale_search)
     return m.fn
 
 
 def device_variants() -> dict[str, Any]:
     """HIGGS p=2 n=256 through the accelerator path: the matmul search with its float64
     re-check, on the CPU (what the lookup tables save) and on CUDA when there is one."""
-    from higgs_engine.quantize import quantize_matrix
+    from higgs_engine.quantize import MatrixSpec, quantize_matrix
 
+    spec = MatrixSpec(2, 256, sign_seed=None, scale_rule="rms")
     out: dict[str, Any] = {
         f"{KEY_HIGGS} matmul search (GPU path) on cpu": lambda w: quantize_matrix(
-            w, 2, 256, sign_seed=None, search="matmul", scale_rule="rms"
+            w, spec, search="matmul"
         )
     }
     if torch.cuda.is_available():
 
         def on_cuda(w: torch.Tensor) -> Any:
-            q = quantize_matrix(w, 2, 256, sign_seed=None, device="cuda", scale_rule="rms")
+            q = quantize_matrix(w, spec, device="cuda")
             torch.cuda.synchronize()
             return q
 

@@ -81,12 +81,12 @@ class _Lazy:
 def gptq_int4_method(model_dir: Path, data: CalibrationData) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
         from higgs_engine.calibration import run_calibrated
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
         from higgs_engine.model_structure import layer_specs, load_config
         from higgs_engine.safetensors_stream import CheckpointReader
 
         out: dict[str, tuple[torch.Tensor, float]] = {}
-        int4 = Target(bits=4, group_size=128)
+        int4 = Precision(bits=4, group_size=128)
 
         def quantize(
             group: list[Any], ws: list[torch.Tensor], h: torch.Tensor

@@ -1,8 +1,18 @@
-"""The import graph of the shipped packages, read statically from every import statement
-(module level and inside functions alike): which repository modules each module imports, the
-private names (`from x import _y`) it takes from other modules, and the import cycles (strongly
-connected components). tests/test_import_graph.py checks the working tree with it;
-benchmarks/house.py measures any revision (a tree unpacked anywhere: `root`)."""
+"""The one import scanner of the repository, read statically from every import statement
+(module level and inside functions alike).
+
+    imported_modules  (line, module) of each absolute import of a file
+    eager_imports     the imports a module runs when it is imported (module level only)
+    names_used        every imported, referenced or attribute name of a file
+    graph, cycles     which repository modules each module imports, the private names
+                      (`from x import _y`) it takes from other modules, and the import cycles
+                      (strongly connected components)
+
+Every import test uses it: tests/test_import_graph.py (layers, cycles, private names),
+tests/app/test_import_rules.py (the direction of imports, the API's torch-free closure),
+tests/test_layout.py (where development code lives), tests/test_deploy_files.py (third-party
+imports against the extras) and tests/engine/test_job.py (what the CLI and the worker call);
+benchmarks/house.py measures any revision with it (a tree unpacked anywhere: `root`)."""
 
 from __future__ import annotations
 
@@ -36,13 +46,75 @@ def sources(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]
     return out
 
 
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def imported_modules(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in `path`, nested ones included: `import a.b`
+    gives a.b; `from a.b import c` gives a.b, and a.b.c too when `root` holds such a module
+    (`from higgs_engine.planning import plans` imports a submodule)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            if root is not None:
+                found += [
+                    (node.lineno, f"{node.module}.{a.name}")
+                    for a in node.names
+                    if repo_module(root, f"{node.module}.{a.name}")
+                ]
+    return found
+
+
+def eager_imports(path: Path, root: Path) -> list[str]:
+    """The imports a module runs when it is imported: module level, not in a function, not
+    under `if TYPE_CHECKING:` (submodules of `root` named by a `from` import included)."""
+    found: list[str] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append(node.module)
+                found.extend(
+                    f"{node.module}.{a.name}"
+                    for a in node.names
+                    if repo_module(root, f"{node.module}.{a.name}")
+                )
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+                visit(node.body)
+
+    visit(_tree(path).body)
+    return found
+
+
+def names_used(path: Path) -> set[str]:
+    """Every name `path` imports (`from x import name`), refers to, or reads as an attribute."""
+    used: set[str] = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            used |= {a.name for a in node.names}
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+    return used
+
+
 def import_edges(root: Path, path: Path, me: str) -> tuple[set[str], set[tuple[str, str]]]:
     """(repo modules `path` imports anywhere in it, (module, name) of private names it imports
     from other repo modules)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
     mods: set[str] = set()
     private: set[tuple[str, str]] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             mods |= {a.name for a in node.names if repo_module(root, a.name)}
         elif isinstance(node, ast.ImportFrom) and node.module:

@@ -84,18 +84,10 @@ def higgs_fn(
     scale_search: str = "table",
 ) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.quantize import dequantize_matrix, quantize_matrix
+        from higgs_engine.quantize import MatrixSpec, dequantize_matrix, quantize_matrix
 
-        q = quantize_matrix(
-            w,
-            p,
-            n,
-            group_size=group_size,
-            rotation_block=rotation_block,
-            sign_seed=sign_seed,
-            scale_rule=scale_rule,
-            scale_search=scale_search,
-        )
+        spec = MatrixSpec(p, n, group_size, rotation_block, sign_seed, scale_rule)
+        q = quantize_matrix(w, spec, scale_search=scale_search)
         return dequantize_matrix(q), float(q.bits_per_weight())
 
     return run
@@ -125,9 +117,9 @@ def higgs_default_fn(
 
 def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=group_size))
+        res = METHODS["rtn"].quantize(w, Precision(bits=bits, group_size=group_size))
         return res.w_hat, res.bits
 
     return run
@@ -135,9 +127,9 @@ def rtn_fn(bits: int, group_size: int = 128) -> QuantFn:
 
 def nf4_fn(block_size: int = 64) -> QuantFn:
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["nf4"].quantize(w, Target(group_size=block_size))
+        res = METHODS["nf4"].quantize(w, Precision(group_size=block_size))
         return res.w_hat, res.bits
 
     return run
@@ -147,9 +139,9 @@ def nf4_dq_fn(block_size: int = 64) -> QuantFn:
     """NF4 with the absmax constants double-quantized (bitsandbytes' bnb_4bit_use_double_quant)."""
 
     def run(w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        from higgs_engine.methods import METHODS, Target
+        from higgs_engine.methods import METHODS, Precision
 
-        res = METHODS["nf4-dq"].quantize(w, Target(group_size=block_size))
+        res = METHODS["nf4-dq"].quantize(w, Precision(group_size=block_size))
         return res.w_hat, res.bits
 
     return run

@@ -19,6 +19,12 @@ import httpx
 
 from app.artifacts.manifest import sha256_file  # pure Python: hashlib only
 from higgs_cli.common import CliError
+from higgs_engine.planning.config import (
+    METHOD_NAMES,
+    SCOPES,
+    WHOLE_FILE_FORMATS,
+    WRITER_FORMATS,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -133,6 +139,8 @@ def build_request(args: argparse.Namespace) -> dict[str, Any]:
         options["evaluate"] = args.evaluate
     if getattr(args, "scope", None) is not None:
         options["scope"] = args.scope
+    if getattr(args, "method", None) is not None:
+        options["method"] = args.method
     if getattr(args, "calibration_tokens", None) is not None:
         if not getattr(args, "calibration", None):
             raise ClientError("--calibration-tokens needs --calibration FILE", 2)
@@ -152,6 +160,11 @@ def _progress_of(job: dict[str, Any]) -> tuple[str, int, int]:
     return str(job.get("stage") or ""), int(prog.get("done") or 0), int(prog.get("total") or 0)
 
 
+def _unit_of(job: dict[str, Any]) -> str:
+    """What the job's progress counts, as the API says (progress.unit)."""
+    return str((job.get("progress") or {}).get("unit") or "step")
+
+
 def wait_for(
     api: Api,
     job_id: str,
@@ -161,10 +174,11 @@ def wait_for(
     show: bool = True,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
-    """Poll the job until it ends, drawing a live progress bar (stage, layers done/total)."""
+    """Poll the job until it ends, drawing a live progress bar (stage, done/total in the
+    stage's unit)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=0, unit="layer", disable=not show, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=0, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True)
     deadline = None if timeout is None else time.monotonic() + timeout
     last: tuple[str, int, int] | None = None
     try:
@@ -174,6 +188,7 @@ def wait_for(
             if (stage, done, total) != last:
                 if last is None or total != last[2] or stage != last[0]:
                     bar.reset(total=total or None)
+                    bar.unit = _unit_of(job)
                 bar.set_description(
                     f"{job.get('status')}:{stage}" if stage else str(job.get("status"))
                 )
@@ -457,13 +472,21 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--formats",
         default=None,
-        help="comma separated: native,dequantized (HIGGS), or gguf alone (a llama.cpp file)",
+        help=f"comma separated: any of {','.join(WRITER_FORMATS)} (HIGGS), or one of "
+        f"{','.join(WHOLE_FILE_FORMATS)} alone (gguf: a llama.cpp file)",
     )
     p.add_argument(
         "--scope",
-        choices=("linear", "all"),
+        choices=SCOPES,
         default=None,
         help="linear (default): the linear layers; all: also the token embedding and an untied head",
+    )
+    p.add_argument(
+        "--method",
+        choices=METHOD_NAMES,
+        default=None,
+        help="options.method: higgs (default), higgs-gptq (with --calibration), or a baseline "
+        "rtn, nf4, nf4-dq (--formats dequantized, --bits)",
     )
     p.add_argument("--evaluate", dest="evaluate", action="store_true", default=None)
     p.add_argument("--no-evaluate", dest="evaluate", action="store_false")

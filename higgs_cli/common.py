@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from higgs_engine.planning.stages import stage_unit
+
 
 class CliError(Exception):
     """An expected failure: printed as one line, exit with `exit_code`."""
@@ -21,25 +23,12 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-# What each stage's progress counts (the engine's progress callbacks): "generating" is the
-# data-free text sampled token by token, "profiling" the Fisher passes over its windows (a
-# noise-injection profile counts layers instead: see StageBars' units).
-STAGE_UNITS = {
-    "generating": "token",
-    "profiling": "window",
-    "quantizing": "layer",
-    "evaluating": "window",
-    "measuring": "tensor",
-}
-
-
 class StageBars:
-    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY).
-    `units` overrides STAGE_UNITS per stage (e.g. profiling in layers for the noise method)."""
+    """A progress callback drawing one tqdm bar per stage on stderr (off when not a TTY), in
+    the unit the stage counts (higgs_engine.planning.stages)."""
 
-    def __init__(self, quiet: bool, units: dict[str, str] | None = None) -> None:
+    def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
-        self.units = {**STAGE_UNITS, **(units or {})}
         self.stage: str | None = None
         self.bar: Any = None
 
@@ -51,7 +40,7 @@ class StageBars:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            unit = self.units.get(stage, "step")
+            unit = stage_unit(stage)
             # disable=None: tqdm turns itself off when stderr is not a terminal.
             self.bar = tqdm(
                 total=total, desc=stage, unit=unit, file=sys.stderr, disable=None, leave=False

@@ -235,7 +235,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from higgs_engine.dynamic import get_profile
 
     quiet_libraries()  # transformers' own loading bar and warnings: stderr is ours
-    bar = StageBars(args.quiet, {"profiling": "layer"} if cfg.method == "noise" else None)
+    bar = StageBars(args.quiet)
     try:
         prof = get_profile(
             args.source,

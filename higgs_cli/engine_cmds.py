@@ -13,11 +13,28 @@ from typing import Any
 
 from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
 from higgs_engine.planning.config import (
+    DEFAULT_FORMATS,
+    DEFAULT_METHOD,
     DEFAULT_SCALE_RULE,
     DEFAULT_SIGN_SEED,
+    FORMAT_NAMES,
+    METHOD_NAMES,
     SCALE_RULES,
     SCOPES,
+    WHOLE_FILE_FORMATS,
+    WRITER_FORMATS,
 )
+
+
+def format_list(value: str) -> str:
+    """--format: comma separated names of higgs_engine.planning.config.FORMAT_NAMES."""
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    bad = [f for f in names if f not in FORMAT_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: each format must be one of {', '.join(FORMAT_NAMES)}"
+        )
+    return ",".join(names)
 
 
 def _sign_seed(value: str) -> int | None:
@@ -83,10 +100,21 @@ def register(subparsers: Any) -> None:
     )
     q.add_argument(
         "--format",
-        default="native,dequantized",
+        type=format_list,
+        default=",".join(DEFAULT_FORMATS),
         metavar="F[,F]",
-        help="artifacts to write: native, dequantized or both (default both); or gguf alone "
-        "(a llama.cpp file)",
+        help=f"artifacts to write: any of {', '.join(WRITER_FORMATS)} (default "
+        f"{','.join(DEFAULT_FORMATS)}); or one of {', '.join(WHOLE_FILE_FORMATS)} alone "
+        "(gguf: a llama.cpp file)",
+    )
+    q.add_argument(
+        "--method",
+        choices=METHOD_NAMES,
+        default=DEFAULT_METHOD,
+        help="how each layer is quantized: higgs (data-free HIGGS, the default), higgs-gptq "
+        "(calibrated HIGGS: needs --calibration), or a baseline at the same bits: rtn "
+        "(round-to-nearest integers per --group-size group), nf4 / nf4-dq (4-bit NormalFloat "
+        "per --group-size block); the baselines write --format dequantized only, with --bits",
     )
     q.add_argument(
         "--dtype",
@@ -190,6 +218,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "formats": formats,
         "dtype": args.dtype,
         "scope": args.scope or "linear",
+        "method": args.method,
     }
     if args.bits is not None and (not math.isfinite(args.bits) or args.bits <= 0):
         raise CliError(f"--bits {args.bits:g} must be a positive number")
@@ -282,8 +311,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_engine.job import QuantizeJob, run
 
     quiet_libraries()
-    noise = bool(getattr(args, "profile_noise", False))
-    bars = StageBars(args.quiet, {"profiling": "layer"} if noise else None)
+    bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
         calibration = _calibration(args, cal_text, bars)

@@ -20,6 +20,8 @@ from higgs_cli.common import (
 
 
 def add_quantize_args(q: argparse.ArgumentParser) -> None:
+    from higgs_engine.planning.gguf_types import DEFAULT_SPLIT_GIB  # torch- and numpy-free
+
     g = q.add_argument_group("GGUF for llama.cpp (--format gguf)")
     g.add_argument(
         "--ftype",
@@ -49,9 +51,16 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
         "--split-max-size",
         type=float,
         default=None,
-        metavar="GB",
+        metavar="GIB",
         help="write llama.cpp split files (-0000k-of-0000N.gguf) when the 16-bit checkpoint is "
-        "above this size (default 8)",
+        f"above this size in GiB (default {DEFAULT_SPLIT_GIB})",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads measuring, quantizing and evaluating in llama.cpp (default: every core)",
     )
 
 
@@ -62,8 +71,11 @@ def wants_gguf(args: argparse.Namespace) -> bool:
             getattr(args, "ftype", None)
             or getattr(args, "eval_text", None)
             or getattr(args, "rotate", None)
+            or getattr(args, "threads", None)
         ):
-            raise CliError("--ftype / --eval-text / --rotate are options of --format gguf")
+            raise CliError(
+                "--ftype / --eval-text / --rotate / --threads are options of --format gguf"
+            )
         return False
     if formats != ["gguf"]:
         raise CliError(
@@ -96,6 +108,10 @@ def higgs_only_flags(args: argparse.Namespace) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     if args.calibration is not None:
         raise CliError("--calibration is not available with --format gguf (data-free only)")
+    if getattr(args, "method", "higgs") != "higgs":
+        raise CliError(
+            "--method chooses how HIGGS quantizes; --format gguf takes llama.cpp's types"
+        )
     if args.p is not None or args.n is not None:
         raise CliError("--p / --n choose HIGGS grids; --format gguf chooses llama.cpp's types")
     higgs_only = higgs_only_flags(args)
@@ -118,15 +134,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.eval_windows is not None and args.eval_windows < 1:
         raise CliError(f"--eval-windows {args.eval_windows} must be at least 1")
     if args.split_max_size is not None and not args.split_max_size > 0:
-        raise CliError(f"--split-max-size {args.split_max_size:g} must be a positive size in GB")
+        raise CliError(f"--split-max-size {args.split_max_size:g} must be a positive size in GiB")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads {args.threads} must be at least 1")
 
 
 def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
-    """The GGUF run `higgs quantize --format gguf ...` asks for; returns its Report."""
+    """The GGUF run `higgs quantize --format gguf ...` asks for; returns its Report. An option
+    the plan refuses is a one-line error naming its flag, before anything is converted."""
     from higgs_engine.errors import InvalidConfigError
     from higgs_engine.evaluate import read_text
-    from higgs_engine.gguf.run import DEFAULT_ROTATE, GgufEvalRequest
-    from higgs_engine.job import GgufOptions, ProfileSource, QuantizeJob, gguf_run, run
+    from higgs_engine.gguf.runplan import DEFAULT_ROTATE, GgufEvalRequest
+    from higgs_engine.job import GgufOptions, ProfileSource, QuantizeJob, run
+    from higgs_engine.planning.gguf_types import GIB
 
     _check_args(args)
     target = dynamic_target(
@@ -146,6 +166,7 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
         args.source,
         target=target,
         profile=source,
+        device=args.device,
         revision=args.revision,
         token=args.token,
         overwrite=args.overwrite,
@@ -154,19 +175,16 @@ def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
             ftype=args.ftype.upper() if args.ftype else None,
             rotate=getattr(args, "rotate", None) or DEFAULT_ROTATE,
             evaluate=evaluate,
-            split_max_bytes=int(args.split_max_size * 1e9) if args.split_max_size else None,
+            split_max_bytes=int(args.split_max_size * GIB) if args.split_max_size else None,
+            threads=args.threads or 0,
         ),
     )
     try:
-        gguf_run(job, Path(args.out))  # the options checked before anything runs
-    except InvalidConfigError as e:
-        raise CliError(f"{_FLAG.get(e.field or '', '--format gguf')}: {e}") from None
-    try:
         return run(job, Path(args.out), progress)
     except InvalidConfigError as e:
-        if e.field != "rotate":
+        if e.field not in _FLAG:
             raise
-        raise CliError(f"--rotate: {e}") from None
+        raise CliError(f"{_FLAG[e.field]}: {e}") from None
 
 
 _FLAG = {
@@ -174,6 +192,8 @@ _FLAG = {
     "ftype": "--ftype",
     "split_max_bytes": "--split-max-size",
     "rotate": "--rotate",
+    "threads": "--threads",
+    "device": "--device",
 }
 
 

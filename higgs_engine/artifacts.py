@@ -57,6 +57,7 @@ from higgs_engine.model_structure import (
     load_config,
     model_class,
 )
+from higgs_engine.planning.config import WRITER_FORMATS
 from higgs_engine.safetensors_stream import (
     SHARD_INDEX,
     StreamingSafetensorsWriter,
@@ -269,7 +270,7 @@ def find_model_dir(path: Path) -> tuple[Path, str]:
     kind = artifact_kind(path)
     if kind is not None:
         return path, kind
-    for sub in ("native", "dequantized"):
+    for sub in WRITER_FORMATS:  # native first: the real quantized model
         kind = artifact_kind(path / sub)
         if kind is not None:
             return path / sub, kind
@@ -372,9 +373,35 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model of a native artifact with HiggsLinear layers (on CPU)."""
     from safetensors import SafetensorError
 
-    from higgs_engine.modules import HiggsEmbedding, HiggsLinear
-    from higgs_engine.quantize import QuantizedMatrix
+    raw, qc = _native_config(path)
+    dtype = dtype or torch_dtype(str(qc.get("dtype", "float16")))
+    config = load_config(path)
+    build_meta_model(config)  # fail with a clear error if transformers cannot build it
+    with params_on_meta():
+        model = model_class(config)._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
+    handle = _WeightFiles(path)
+    try:
+        grids = {g: handle.get_tensor(g) for g in qc.get("grids", {}).values()}
+        used = set(grids) | _place_quantized(model, handle, qc["layers"], grids, dtype)
+        plain, plain_keys = _plain_tensors(model, handle, sorted(set(handle.keys()) - used), dtype)
+    except (SafetensorError, KeyError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(
+            f"cannot read native artifact {str(handle.describe)!r}: {exc}"
+        ) from exc
+    quantized_embedding = any(m.get("role") == "embedding" for m in qc["layers"].values())
+    _assign_plain(model, plain, quantized_embedding)
+    # Kept so that save_native can write the same artifact back.
+    model.higgs_artifact = {
+        "config": raw,
+        "plain_keys": plain_keys,
+        "grids": grids,
+        "dir": str(path),
+    }
+    return cast("nn.Module", model)
 
+
+def _native_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, its quantization_config) of a native artifact of this format version."""
     raw = _raw_config(path)
     qc = raw.get("quantization_config") or {}
     if qc.get("quant_method") != QUANT_METHOD:
@@ -383,58 +410,71 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         raise UnsupportedModelError(
             f"native artifact format_version {qc.get('format_version')!r} is not {FORMAT_VERSION}"
         )
-    store_dtype = torch_dtype(str(qc.get("dtype", "float16")))
-    config = load_config(path)
-    build_meta_model(config)  # fail with a clear error if transformers cannot build it
-    with params_on_meta():
-        model = model_class(config)._from_config(config, dtype=dtype or store_dtype)  # type: ignore[attr-defined]
+    return raw, qc
+
+
+def _place_quantized(
+    model: nn.Module,
+    handle: _WeightFiles,
+    layers: dict[str, dict[str, Any]],
+    grids: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> set[str]:
+    """Put a HiggsLinear (HiggsEmbedding) in `model` for every quantized layer, and a head
+    tied to a quantized embedding on its codes; returns the tensor keys read."""
+    from higgs_engine.modules import HiggsEmbedding, HiggsLinear
+    from higgs_engine.quantize import QuantizedMatrix
 
     tied_head = _tied_head(model)
-    handle = _WeightFiles(path)
-    wfile = handle.describe
     keys = set(handle.keys())
     used: set[str] = set()
-    layers: dict[str, dict[str, Any]] = qc["layers"]
-    grids: dict[str, torch.Tensor] = {}
-    try:
-        for gname in qc.get("grids", {}).values():
-            grids[gname] = handle.get_tensor(gname)
-            used.add(gname)
-        for name, meta in layers.items():
-            prefix = f"{name}.higgs."
-            tkeys = sorted(k for k in keys if k.startswith(prefix))
-            if not tkeys:
-                raise CorruptCheckpointError(f"native artifact has no tensors for layer {name!r}")
-            tensors = {k[len(prefix) :]: handle.get_tensor(k) for k in tkeys}
-            used.update(tkeys)
-            qmeta = {k: v for k, v in meta.items() if k not in _ENTRY_KEYS}
-            q = QuantizedMatrix.from_tensors(tensors, qmeta)
-            grid = grids.get(grid_key(q.p, q.n))
-            if grid is None:
-                raise CorruptCheckpointError(f"native artifact lacks the grid p={q.p} n={q.n}")
-            bias = None
-            if meta.get("bias_key"):
-                bias = handle.get_tensor(meta["bias_key"]).to(dtype or store_dtype)
-                used.add(meta["bias_key"])
-            if meta.get("role") == "embedding":
-                _set_module(model, name, HiggsEmbedding(q, grid, dtype or store_dtype))
-                if tied_head is not None:
-                    # the head tied to the embedding computes with the same codes and scales
-                    _set_module(model, tied_head, HiggsLinear(q, None, grid, tied_to=name))
-            else:
-                _set_module(model, name, HiggsLinear(q, bias, grid))
-        quantized_embedding = any(m.get("role") == "embedding" for m in layers.values())
-        model_sd_keys = set(model.state_dict().keys())
-        prefix = str(getattr(model, "base_model_prefix", "") or "")
-        plain: dict[str, torch.Tensor] = {}
-        plain_keys: list[tuple[str, str]] = []
-        for k in sorted(keys - used):
-            mk = model_key(k, model_sd_keys, prefix)
-            t = handle.get_tensor(k)
-            plain[mk] = t.to(dtype or store_dtype) if t.is_floating_point() else t
-            plain_keys.append((k, mk))
-    except (SafetensorError, KeyError, ValueError, RuntimeError) as exc:
-        raise CorruptCheckpointError(f"cannot read native artifact {str(wfile)!r}: {exc}") from exc
+    for name, meta in layers.items():
+        prefix = f"{name}.higgs."
+        tkeys = sorted(k for k in keys if k.startswith(prefix))
+        if not tkeys:
+            raise CorruptCheckpointError(f"native artifact has no tensors for layer {name!r}")
+        tensors = {k[len(prefix) :]: handle.get_tensor(k) for k in tkeys}
+        used.update(tkeys)
+        qmeta = {k: v for k, v in meta.items() if k not in _ENTRY_KEYS}
+        q = QuantizedMatrix.from_tensors(tensors, qmeta)
+        grid = grids.get(grid_key(q.p, q.n))
+        if grid is None:
+            raise CorruptCheckpointError(f"native artifact lacks the grid p={q.p} n={q.n}")
+        bias = None
+        if meta.get("bias_key"):
+            bias = handle.get_tensor(meta["bias_key"]).to(dtype)
+            used.add(meta["bias_key"])
+        if meta.get("role") == "embedding":
+            _set_module(model, name, HiggsEmbedding(q, grid, dtype))
+            if tied_head is not None:
+                # the head tied to the embedding computes with the same codes and scales
+                _set_module(model, tied_head, HiggsLinear(q, None, grid, tied_to=name))
+        else:
+            _set_module(model, name, HiggsLinear(q, bias, grid))
+    return used
+
+
+def _plain_tensors(
+    model: nn.Module, handle: _WeightFiles, keys: list[str], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], list[tuple[str, str]]]:
+    """The tensors stored unquantized, by the model's key (floating ones cast to `dtype`), and
+    (stored key, model key) of each."""
+    model_sd_keys = set(model.state_dict().keys())
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    plain: dict[str, torch.Tensor] = {}
+    plain_keys: list[tuple[str, str]] = []
+    for k in keys:
+        mk = model_key(k, model_sd_keys, prefix)
+        t = handle.get_tensor(k)
+        plain[mk] = t.to(dtype) if t.is_floating_point() else t
+        plain_keys.append((k, mk))
+    return plain, plain_keys
+
+
+def _assign_plain(
+    model: nn.Module, plain: dict[str, torch.Tensor], quantized_embedding: bool
+) -> None:
+    """Assign the plain tensors to `model`, tie its head, and check nothing is left on meta."""
     result = model.load_state_dict(plain, strict=False, assign=True)
     # Checkpoints written by older transformers keep non-persistent buffers the model now builds
     # itself (BERT's embeddings.position_ids): not an error, the model's own buffer is used.
@@ -447,18 +487,10 @@ def load_native(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     # Tied heads are stored once (as the embedding); re-tie after assigning real tensors. A
     # quantized embedding has no dense weight to tie to: its tied head was rebuilt above.
     if not quantized_embedding:
-        model.tie_weights()
+        cast("Any", model).tie_weights()
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise CorruptCheckpointError(f"native artifact lacks tensors for {still_meta[:5]}")
-    # Kept so that save_native can write the same artifact back.
-    model.higgs_artifact = {
-        "config": raw,
-        "plain_keys": plain_keys,
-        "grids": grids,
-        "dir": str(path),
-    }
-    return cast("nn.Module", model)
 
 
 # A quantization_config layer entry's keys that are not the QuantizedMatrix's meta.

@@ -35,9 +35,14 @@ class UnsupportedModelError(HiggsError):
 
 
 class CorruptCheckpointError(HiggsError):
-    """A checkpoint or artifact file exists but cannot be parsed or fails its checksum."""
+    """A checkpoint or artifact file exists but cannot be parsed, fails its checksum, or
+    contradicts itself (`field`: the config.json field its tensors disagree with, or None)."""
 
     code = "corrupt_checkpoint"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class InfeasibleTargetError(HiggsError, ValueError):
@@ -56,3 +61,10 @@ class CancelledError(HiggsError):
     """The progress callback asked to stop (returned False or raised this)."""
 
     code = "cancelled"
+
+
+class OutOfMemoryError(HiggsError, MemoryError):
+    """A step (a subprocess such as llama.cpp's converter, or an allocation) could not get the
+    memory it asked for: the machine's, or a limit the caller set on the process."""
+
+    code = "out_of_memory"

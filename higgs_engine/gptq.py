@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,18 +39,12 @@ from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_searcher
 from higgs_engine.packing import pack_codes
-from higgs_engine.planning.config import (
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_ROTATION_BLOCK,
-    DEFAULT_SCALE_RULE,
-    DEFAULT_SIGN_SEED,
-)
+from higgs_engine.planning.config import MatrixSpec
 from higgs_engine.quantize import (
     FP16_MAX,
     SCALE_RULES,
     QuantizedMatrix,
     check_inputs,
-    column_groups,
     fit_scales,
     group_lengths,
     group_rms,
@@ -226,35 +221,31 @@ def _check_block(block: int, p: int) -> None:
 
 
 def _higgs_setup(
-    W: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int,
-    rotation_block: int,
-    sign_seed: int | None,
-    grid: torch.Tensor | None,
-    scale_rule: str = DEFAULT_SCALE_RULE,
+    W: torch.Tensor, spec: MatrixSpec, grid: torch.Tensor | None
 ) -> tuple[list[int], list[int], torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(layout, group lengths, signs, grid float32, rotated W' float64, fp16 scales (out, G)).
 
-    The scales follow `scale_rule` exactly as data-free HIGGS would choose them for W'."""
-    if scale_rule not in SCALE_RULES:
-        raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
-    check_inputs(W, p, n, group_size, rotation_block)
+    The scales follow `spec.scale_rule` exactly as data-free HIGGS would choose them for W'."""
+    p, n, group_size = spec.p, spec.n, spec.group_size
+    if spec.scale_rule not in SCALE_RULES:
+        raise InvalidConfigError(
+            f"scale_rule={spec.scale_rule!r} must be one of {list(SCALE_RULES)}"
+        )
+    check_inputs(W, p, n, group_size, spec.rotation_block)
     if not bool(torch.isfinite(W).all()):
         raise InvalidConfigError(f"W has {int((~torch.isfinite(W)).sum())} non-finite values")
     _out_f, in_f = W.shape
     g = get_grid(p, n) if grid is None else grid
     if tuple(g.shape) != (n, p):
         raise InvalidConfigError(f"grid of shape {tuple(g.shape)} is not ({n}, {p})")
-    layout = block_layout(in_f, rotation_block)
+    layout = block_layout(in_f, spec.rotation_block)
     lens = group_lengths(layout, group_size)
     bad = [length for length in lens if length % p]
     if bad:
         raise InvalidConfigError(
             f"scale group of length {bad[0]} (layout {layout}) is not divisible by p={p}"
         )
-    signs = None if sign_seed is None else random_signs(in_f, sign_seed)
+    signs = None if spec.sign_seed is None else random_signs(in_f, spec.sign_seed)
     y = rotate(W.to(torch.float64), layout, signs)  # (out, in) float64
     rms = group_rms(y.to(torch.float32), lens, group_size)  # (out, G)
     if bool((rms > FP16_MAX).any()):
@@ -262,12 +253,11 @@ def _higgs_setup(
             f"a scale group RMS of {float(rms.max()):.4g} exceeds the fp16 range"
         )
     g32 = g.to(torch.float32)
-    if scale_rule == "rms":
+    if spec.scale_rule == "rms":
         s16 = rms.to(torch.float16)
     else:
-        col_group = column_groups(lens, torch.device("cpu"))
         y32 = y.to(torch.float32)
-        s16, _ = fit_scales(y32, rms, lens, group_size, g32, "auto", col_group, scale_rule)
+        s16, _ = fit_scales(y32, rms, lens, group_size, g32, "auto", spec.scale_rule)
     return layout, lens, signs, g32, y, s16.cpu()
 
 
@@ -277,85 +267,65 @@ def _column_scales(scales16: torch.Tensor, lens: list[int], dtype: torch.dtype) 
     return scales16.to(dtype)[:, gidx]
 
 
+@dataclass(frozen=True)
+class _Swept:
+    """One swept matrix (or rows of a stacked one): fp16 scales (rows, G), codes
+    (rows, in/p), the rotated-domain reconstruction Q (rows, in)."""
+
+    scales16: torch.Tensor
+    codes: torch.Tensor
+    Q: torch.Tensor
+
+    def rows(self, r0: int, r1: int) -> _Swept:
+        return _Swept(self.scales16[r0:r1].clone(), self.codes[r0:r1], self.Q[r0:r1])
+
+
 def _finish(
-    shape: tuple[int, int],
-    p: int,
-    n: int,
-    group_size: int,
-    layout: list[int],
-    sign_seed: int | None,
-    scales16: torch.Tensor,
-    codes: torch.Tensor,
-    Q: torch.Tensor,
-    signs: torch.Tensor | None,
-    scale_rule: str = DEFAULT_SCALE_RULE,
+    spec: MatrixSpec, layout: list[int], signs: torch.Tensor | None, swept: _Swept
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
-    out_f, in_f = shape
+    out_f, in_f = swept.Q.shape
     q = QuantizedMatrix(
         out_features=out_f,
         in_features=in_f,
-        p=p,
-        n=n,
-        group_size=group_size,
+        p=spec.p,
+        n=spec.n,
+        group_size=spec.group_size,
         layout=layout,
-        sign_seed=sign_seed,
-        codes=pack_codes(codes.reshape(-1), int(math.log2(n))),
-        scales=scales16,
-        scale_rule=scale_rule,
+        sign_seed=spec.sign_seed,
+        codes=pack_codes(swept.codes.reshape(-1), int(math.log2(spec.n))),
+        scales=swept.scales16,
+        scale_rule=spec.scale_rule,
     )
-    w_hat = unrotate(Q.to(torch.float32), layout, signs)  # (out, in) float32
+    w_hat = unrotate(swept.Q.to(torch.float32), layout, signs)  # (out, in) float32
     return q, w_hat
 
 
 def gptq_higgs(
     W: torch.Tensor,
     hessian: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
-    sign_seed: int | None = DEFAULT_SIGN_SEED,
+    spec: MatrixSpec,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
-    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
-    """Calibrated HIGGS of W (out, in) with the input Hessian 2 X^T X / tokens (in, in) of the
-    UNROTATED inputs. Returns (q, W_hat float32 (out, in) = dequantize_matrix(q)).
+    """Calibrated HIGGS of W (out, in) as `spec` says, with the input Hessian 2 X^T X / tokens
+    (in, in) of the UNROTATED inputs. Returns (q, W_hat float32 (out, in) = dequantize_matrix(q)).
 
     dtype: precision of the sweep (float32; float64 for the tests against the reference)."""
-    return gptq_higgs_many(
-        [W],
-        hessian,
-        p,
-        n,
-        group_size,
-        rotation_block,
-        sign_seed,
-        grid,
-        damp=damp,
-        block=block,
-        dtype=dtype,
-        scale_rule=scale_rule,
-    )[0]
+    return gptq_higgs_many([W], hessian, spec, grid, damp=damp, block=block, dtype=dtype)[0]
 
 
 def gptq_higgs_many(
     Ws: list[torch.Tensor],
     hessian: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
-    sign_seed: int | None = DEFAULT_SIGN_SEED,
+    spec: MatrixSpec,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     dtype: torch.dtype = torch.float32,
-    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> list[tuple[QuantizedMatrix, torch.Tensor]]:
     """`gptq_higgs` of several matrices with the same input (q/k/v, gate/up): rows never
     interact in the sweep, so the matrices are stacked and swept once, with one Cholesky."""
@@ -368,10 +338,8 @@ def gptq_higgs_many(
         )
     rows = [int(w.shape[0]) for w in Ws]
     W = Ws[0] if len(Ws) == 1 else torch.cat([w.to(torch.float32) for w in Ws], 0)
-    layout, lens, signs, g, y, scales16 = _higgs_setup(
-        W, p, n, group_size, rotation_block, sign_seed, grid, scale_rule
-    )
-    _check_block(block, p)
+    layout, lens, signs, g, y, scales16 = _higgs_setup(W, spec, grid)
+    _check_block(block, spec.p)
     out_f, in_f = W.shape
     _check_hessian(hessian, in_f)
     h = _prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
@@ -379,26 +347,13 @@ def gptq_higgs_many(
     s_col = _column_scales(scales16, lens, dtype)  # (out, in)
     inv_col = torch.where(s_col > 0, 1.0 / s_col, torch.zeros_like(s_col))
     gd = g.to(dtype)
-    codes = _sweep_grid(y.to(dtype), U, p, block, inv_col, nearest_searcher(g), gd, s_col)
+    codes = _sweep_grid(y.to(dtype), U, spec.p, block, inv_col, nearest_searcher(g), gd, s_col)
     Q = gd.index_select(0, codes.reshape(-1)).reshape(out_f, in_f) * s_col
+    swept = _Swept(scales16, codes, Q)
     res = []
     r0 = 0
     for r in rows:
-        res.append(
-            _finish(
-                (r, in_f),
-                p,
-                n,
-                group_size,
-                layout,
-                sign_seed,
-                scales16[r0 : r0 + r].clone(),
-                codes[r0 : r0 + r],
-                Q[r0 : r0 + r],
-                signs,
-                scale_rule,
-            )
-        )
+        res.append(_finish(spec, layout, signs, swept.rows(r0, r0 + r)))
         r0 += r
     return res
 
@@ -406,23 +361,17 @@ def gptq_higgs_many(
 def gptq_higgs_reference(
     W: torch.Tensor,
     hessian: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
-    sign_seed: int | None = DEFAULT_SIGN_SEED,
+    spec: MatrixSpec,
     grid: torch.Tensor | None = None,
     *,
     damp: float = DEFAULT_DAMP,
-    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> tuple[QuantizedMatrix, torch.Tensor]:
     """Slow twin of `gptq_higgs` (float64, no Cholesky, no lazy batching): after quantizing
     the tuple S of columns, every remaining column is corrected by the optimal-brain-quantizer
     step  W_R -= (W_S - Q_S) Hinv_SS^{-1} Hinv_SR  and Hinv is replaced by the inverse Hessian
     of the remaining columns, Hinv_RR - Hinv_RS Hinv_SS^{-1} Hinv_SR."""
-    layout, lens, signs, g, y, scales16 = _higgs_setup(
-        W, p, n, group_size, rotation_block, sign_seed, grid, scale_rule
-    )
+    p = spec.p
+    layout, lens, signs, g, y, scales16 = _higgs_setup(W, spec, grid)
     out_f, in_f = W.shape
     _check_hessian(hessian, in_f)
     h = _prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
@@ -444,9 +393,7 @@ def gptq_higgs_reference(
         hsr = hinv[:k, k:]
         Wr[:, j + p :] -= d @ torch.linalg.solve(hss, hsr)
         hinv = hinv[k:, k:] - hsr.T @ torch.linalg.solve(hss, hsr)
-    return _finish(
-        (out_f, in_f), p, n, group_size, layout, sign_seed, scales16, codes, Q, signs, scale_rule
-    )
+    return _finish(spec, layout, signs, _Swept(scales16, codes, Q))
 
 
 def gptq_rtn(

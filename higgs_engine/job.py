@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from higgs_engine.dynamic import ProfileSource
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, check_method_job
 from higgs_engine.planning.plans import Target, annotate_report
 from higgs_engine.planning.profile import Profile
 from higgs_engine.progress import ProgressCallback
@@ -33,9 +33,9 @@ from higgs_engine.report import Report
 if TYPE_CHECKING:
     from higgs_engine.calibration import Calibration
     from higgs_engine.dynamic import DynamicPlan
-    from higgs_engine.gguf.run import GgufEvalRequest, GgufRun
+    from higgs_engine.gguf.runplan import GgufEvalRequest, GgufPlan
 
-__all__ = ["Annotate", "GgufOptions", "ProfileSource", "QuantizeJob", "gguf_run", "run"]
+__all__ = ["Annotate", "GgufOptions", "ProfileSource", "QuantizeJob", "gguf_plan", "run"]
 
 # What a caller adds to the report, given the staged output directory, before report.json.
 Annotate = Callable[[Report, Path], None]
@@ -45,13 +45,15 @@ Annotate = Callable[[Report, Path], None]
 class GgufOptions:
     """A GGUF job (higgs_engine.gguf.run): one of `bits` / `ftype`, or the job's target;
     `rotate` "off" / "on" / "auto"; `evaluate` in llama.cpp; `split_max_bytes` (None: the
-    run's default)."""
+    default, planning.gguf_types.DEFAULT_SPLIT_GIB GiB); `threads` measuring, quantizing and evaluating
+    (0: every core)."""
 
     bits: float | None = None
     ftype: str | None = None
     rotate: str = "off"
     evaluate: GgufEvalRequest | None = None
     split_max_bytes: int | None = None
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,14 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
     existing non-empty `out` only with job.overwrite) and return its Report, the one written
     as out/report.json."""
     out = Path(out)
+    gguf, dynamic = job.gguf is not None, job.target is not None
+    calibrated = job.calibration is not None
+    check_method_job(job.config.method, calibrated=calibrated, dynamic=dynamic, gguf=gguf)
     if job.gguf is not None:
-        from higgs_engine.gguf.run import quantize_gguf
+        from higgs_engine.gguf.run import GgufContext, run_gguf_plan
 
-        return quantize_gguf(gguf_run(job, out, progress))
+        ctx = GgufContext(job.profile, job.token, job.annotate, job.overwrite)
+        return run_gguf_plan(gguf_plan(job, progress), out, progress, ctx)
     from higgs_engine.pipeline import quantize_checkpoint
 
     hooks: list[Annotate] = []
@@ -125,37 +131,34 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
     )
 
 
-def gguf_run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -> GgufRun:
-    """The GgufRun of a GGUF job (validated as it is built: InvalidConfigError naming the bad
-    option); run() quantizes with it."""
-    from higgs_engine.gguf.run import DEFAULT_SPLIT_BYTES, GgufRun
+def gguf_plan(job: QuantizeJob, progress: ProgressCallback | None = None) -> GgufPlan:
+    """The GgufPlan of a GGUF job: its options validated first (InvalidConfigError naming the
+    bad option), then the source resolved (stage "resolving") and planned; run() runs it."""
+    from higgs_engine.errors import InvalidConfigError
+    from higgs_engine.gguf.runplan import (
+        GgufCompute,
+        GgufGoal,
+        GgufLayout,
+        GgufRotation,
+        plan_gguf,
+    )
+    from higgs_engine.progress import report
+    from higgs_engine.sources import resolve_source
 
     if job.gguf is None:
-        from higgs_engine.errors import InvalidConfigError
-
         raise InvalidConfigError(f"the job for {str(job.source)!r} asks for no GGUF file")
     g = job.gguf
-    src = job.profile
-    return GgufRun(
-        job.source,
-        Path(out),
-        bits=g.bits,
-        target=job.target,
-        ftype=g.ftype,
-        profile=src.profile,
-        profile_config=src.config,
-        profile_text=src.text,
-        stores=src.stores,
-        selfgen_cache=src.selfgen_cache,
-        evaluate=g.evaluate,
-        revision=job.revision,
-        token=job.token,
-        progress=progress,
-        overwrite=job.overwrite,
-        rotate=g.rotate,
-        annotate=job.annotate,
-        split_max_bytes=DEFAULT_SPLIT_BYTES if g.split_max_bytes is None else g.split_max_bytes,
+    goal = GgufGoal(g.bits, g.ftype, job.target)
+    rotation = GgufRotation(g.rotate)
+    layout = (
+        GgufLayout() if g.split_max_bytes is None else GgufLayout(split_max_bytes=g.split_max_bytes)
     )
+    compute = GgufCompute(job.device, g.threads)
+    report(progress, "resolving", 0, 1)
+    src = resolve_source(job.source, job.revision, job.token)
+    planned = plan_gguf(src, goal, rotation, layout, compute, job.profile.config, g.evaluate)
+    report(progress, "resolving", 1, 1)
+    return planned
 
 
 def _dynamic_annotations(planned: DynamicPlan, target: Target) -> Annotate:

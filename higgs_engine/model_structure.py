@@ -18,6 +18,7 @@ from higgs_engine.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from higgs_engine.safetensors_stream import SHARD_INDEX
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,11 @@ if TYPE_CHECKING:
 
 
 def load_config(path: Path) -> PretrainedConfig:
-    """The checkpoint's transformers config, without any quantization_config it may carry."""
+    """The checkpoint's transformers config, without any quantization_config it may carry.
+
+    The config of a plain checkpoint (not a HIGGS artifact) is checked against the tensors'
+    shapes in its safetensors headers (higgs_engine.checkpoint_check): a sizing field that
+    they contradict raises CorruptCheckpointError naming it, before anything is built."""
     from transformers import CONFIG_MAPPING
 
     cfg_file = Path(path) / "config.json"
@@ -40,7 +45,7 @@ def load_config(path: Path) -> PretrainedConfig:
         raise CorruptCheckpointError(f"{str(cfg_file)!r} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UnsupportedModelError(f"{str(cfg_file)!r} has no model_type")
-    raw.pop("quantization_config", None)
+    quantized = raw.pop("quantization_config", None) is not None
     model_type = raw.pop("model_type")
     try:
         config_class = CONFIG_MAPPING[model_type]
@@ -49,12 +54,22 @@ def load_config(path: Path) -> PretrainedConfig:
             f"model_type {model_type!r} is not supported by transformers"
         ) from exc
     try:
-        return config_class(**raw)
+        config = config_class(**raw)
     except Exception as exc:  # the config class's own validation raises many types
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise UnsupportedModelError(
             f"{str(cfg_file)!r} is not a valid {model_type} config: {why}"
         ) from exc
+    if not quantized and _has_weights(Path(path)):
+        # Before anything is sized from the config: its sizing fields against the tensors.
+        from higgs_engine.checkpoint_check import check_checkpoint
+
+        check_checkpoint(Path(path), config)
+    return config
+
+
+def _has_weights(path: Path) -> bool:
+    return (path / SHARD_INDEX).is_file() or any(path.glob("*.safetensors"))
 
 
 def model_class(config: PretrainedConfig) -> type[nn.Module]:

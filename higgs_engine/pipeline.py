@@ -65,7 +65,7 @@ def calibrate_layers(
     dict: the pipeline quantizes them without data and the entry lists them."""
     from higgs_engine.calibration import run_calibrated
     from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
 
     # The token embedding and an output head (scope "all") are quantized without data.
     todo = [pl for pl in todo if pl.spec.role == "linear"]
@@ -82,7 +82,7 @@ def calibrate_layers(
         for grid in dict.fromkeys(grids[s.name] for s in group):
             idx = [i for i, s in enumerate(group) if grids[s.name] == grid]
             res = METHODS["higgs-gptq"].quantize_many(
-                [ws[i] for i in idx], Target(grid=grid), config, hessian=hessian
+                [ws[i] for i in idx], Precision(grid=grid), config, hessian=hessian
             )
             for i, r in zip(idx, res, strict=True):
                 assert r.quantized is not None

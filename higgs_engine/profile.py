@@ -345,7 +345,7 @@ def noise_profile_layers(
     out = list(done)
     if [la.name for la in out] != list(names[: len(out)]):
         raise InvalidConfigError("the partial profile's layers do not match the model's layers")
-    report(progress, "profiling", len(out), len(names))
+    report(progress, "probing", len(out), len(names))
     for idx in range(len(out), len(names)):
         w = weights[idx].data  # (out, in), perturbed in place and restored
         orig = w.clone()
@@ -365,7 +365,7 @@ def noise_profile_layers(
         out.append(LayerAlpha(names[idx], [int(w.shape[0]), int(w.shape[1])], alpha, points))
         if on_layer is not None:
             on_layer(out, runner.forwards)
-        report(progress, "profiling", idx + 1, len(names))
+        report(progress, "probing", idx + 1, len(names))
     return out, metric.base, runner.forwards
 
 
@@ -447,7 +447,8 @@ def gauss_newton_cos_layers(
     n = int(windows.shape[0])
     sq = [0.0] * len(names)  # sum over draws of ||sum_i J_i^T v_i||^2
     g = torch.Generator().manual_seed(config.seed)
-    report(progress, "profiling", 0, config.fisher_samples)
+    # progress in windows, as the Fisher passes count: all of them go through at once
+    report(progress, "profiling", 0, n)
     try:
         for p in params:
             p.requires_grad_(True)
@@ -469,7 +470,7 @@ def gauss_newton_cos_layers(
                 for li, gr in enumerate(grads):
                     if gr is not None:  # None: the layer does not reach the hidden state
                         sq[li] += float(gr.double().pow(2).sum())
-                report(progress, "profiling", s + 1, config.fisher_samples)
+                report(progress, "profiling", 0, n)  # between draws: a cancel stops here
     finally:
         for p, fl in zip(params, flags, strict=True):
             p.requires_grad_(fl)
@@ -479,6 +480,7 @@ def gauss_newton_cos_layers(
         tr_gn = sq[li] / (config.fisher_samples * n)  # mean over windows of |P J_l|^2 / |f|^2
         alpha = 0.5 * float(w.double().pow(2).sum()) / w.numel() * tr_gn
         out.append(LayerAlpha(name, [int(w.shape[0]), int(w.shape[1])], alpha, [], tr_gn))
+    report(progress, "profiling", n, n)
     base_fig = {"embedding_norm": float(norms.mean())}
     return out, base_fig, 1, config.fisher_samples
 

@@ -26,18 +26,14 @@ from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate, unrotate
 from higgs_engine.nearest import nearest_points, nearest_points_reference
 from higgs_engine.packing import pack_codes, packed_nbytes, unpack_codes
-from higgs_engine.planning.config import (
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_ROTATION_BLOCK,
-    DEFAULT_SCALE_RULE,
-    DEFAULT_SIGN_SEED,
-)
 from higgs_engine.planning.config import SCALE_RULES as CONFIG_SCALE_RULES
+from higgs_engine.planning.config import MatrixSpec
 from higgs_engine.planning.layout import is_power_of_two
 from higgs_engine.scale_search import TABLE_MAX_POINTS, scale_table_for, score_multipliers
 
 __all__ = [
     "SCALE_SEARCHES",
+    "MatrixSpec",
     "QuantizedMatrix",
     "check_inputs",
     "column_groups",
@@ -390,7 +386,6 @@ def fit_scales(
     group_size: int,
     grid: torch.Tensor,
     search: str,
-    col_group: torch.Tensor,
     rule: str,
     scale_search: str = "table",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +413,7 @@ def fit_scales(
     if scale_search == "table" and _table_search_applies(grid):
         s16, codes = _mse_scales_table(y, rms, group_lens, group_size, grid, search)
     else:
+        col_group = column_groups(group_lens, y.device)  # (in,) group of each column
         s16, codes = _mse_scales(y, rms, group_lens, group_size, grid, search, col_group)
     if rule == "mse-unbiased":
         return _unbias(y, s16, codes)
@@ -535,123 +531,156 @@ def fit_scales_reference(
 
 def quantize_matrix(
     W: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
-    sign_seed: int | None = DEFAULT_SIGN_SEED,
+    spec: MatrixSpec,
     grid: torch.Tensor | None = None,
     *,
     device: torch.device | str | None = None,
     search: str = "auto",
-    scale_rule: str = DEFAULT_SCALE_RULE,
     scale_search: str = "table",
 ) -> QuantizedMatrix:
-    """HIGGS-quantize W (out, in). `grid` overrides the shipped (p, n) grid (tests, research).
+    """HIGGS-quantize W (out, in) as `spec` says (grid, scale groups, rotation, signs, scale
+    rule). `grid` overrides the shipped (p, n) grid (tests, research).
 
     device: where the rotation and the nearest-point search run (default: the CPU, whatever
     W's device); search: "auto", "lookup" or "matmul" (see `nearest_points`); scale_search:
     how the "mse" rules search their multiplier (see SCALE_SEARCHES)."""
     q, _ = quantize_matrix_full(
         W,
-        p,
-        n,
-        group_size,
-        rotation_block,
-        sign_seed,
+        spec,
         grid,
         device=device,
         search=search,
         dequantized=False,
-        scale_rule=scale_rule,
         scale_search=scale_search,
     )
     return q
 
 
-def quantize_matrix_full(
+@dataclass(frozen=True)
+class _Rows:
+    """What every row chunk of one matrix shares: its spec, the grid on the device, the block
+    layout and scale group lengths, the signs, and how the codes are searched."""
+
+    spec: MatrixSpec
+    grid: torch.Tensor  # (n, p) float32 on `device`
+    layout: list[int]
+    lens: list[int]
+    signs: torch.Tensor | None
+    device: torch.device
+    search: str
+    scale_search: str
+
+
+def _prepare(
     W: torch.Tensor,
-    p: int,
-    n: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    rotation_block: int = DEFAULT_ROTATION_BLOCK,
-    sign_seed: int | None = DEFAULT_SIGN_SEED,
-    grid: torch.Tensor | None = None,
-    *,
-    device: torch.device | str | None = None,
-    search: str = "auto",
-    dequantized: bool = True,
-    scale_rule: str = DEFAULT_SCALE_RULE,
-    scale_search: str = "table",
-) -> tuple[QuantizedMatrix, torch.Tensor | None]:
-    """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
-    codes while they are at hand (no pack / unpack round trip): the same values as
-    `dequantize_matrix(q)`, which the tests check."""
-    check_inputs(W, p, n, group_size, rotation_block)
-    if scale_rule not in SCALE_RULES:
-        raise InvalidConfigError(f"scale_rule={scale_rule!r} must be one of {list(SCALE_RULES)}")
+    spec: MatrixSpec,
+    grid: torch.Tensor | None,
+    device: torch.device | str | None,
+    search: str,
+    scale_search: str,
+) -> _Rows:
+    """Check W and the spec, and build what every row chunk shares."""
+    p, n = spec.p, spec.n
+    check_inputs(W, p, n, spec.group_size, spec.rotation_block)
+    if spec.scale_rule not in SCALE_RULES:
+        raise InvalidConfigError(
+            f"scale_rule={spec.scale_rule!r} must be one of {list(SCALE_RULES)}"
+        )
     if scale_search not in SCALE_SEARCHES:
         raise InvalidConfigError(
             f"scale_search={scale_search!r} must be one of {list(SCALE_SEARCHES)}"
         )
     dev = torch.device("cpu") if device is None else torch.device(device)
-    out_f, in_f = W.shape
+    in_f = W.shape[1]
     if grid is None:
         grid = get_grid(p, n)
     elif tuple(grid.shape) != (n, p):
         raise InvalidConfigError(f"grid of shape {tuple(grid.shape)} is not ({n}, {p})")
-    grid = grid.to(device=dev, dtype=torch.float32)
-    layout = block_layout(in_f, rotation_block)
-    lens = group_lengths(layout, group_size)
+    layout = block_layout(in_f, spec.rotation_block)
+    lens = group_lengths(layout, spec.group_size)
     bad = [length for length in lens if length % p]
     if bad:
         raise InvalidConfigError(
             f"scale group of length {bad[0]} (layout {layout}) is not divisible by p={p}"
         )
-    signs = None if sign_seed is None else random_signs(in_f, sign_seed).to(dev)
-    bits = int(math.log2(n))
-    scales = torch.empty(out_f, len(lens), dtype=torch.float16)
+    signs = None if spec.sign_seed is None else random_signs(in_f, spec.sign_seed).to(dev)
+    g = grid.to(device=dev, dtype=torch.float32)
+    return _Rows(spec, g, layout, lens, signs, dev, search, scale_search)
+
+
+def _code_rows(W: torch.Tensor, r0: int, r1: int, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 scales (rows, G), codes (rows*in/p,)) of the rows W[r0:r1]."""
+    spec = rows.spec
+    w = W[r0:r1].to(device=rows.device, dtype=torch.float32)  # (rows, in)
+    y = rotate(w, rows.layout, rows.signs)  # (rows, in)
+    rms = group_rms(y, rows.lens, spec.group_size)  # (rows, G)
+    # A nan/inf weight makes its group's RMS non-finite: checking the (rows, G) RMS is
+    # much cheaper than scanning W, and the full scan only runs to name the count.
+    if not bool(torch.isfinite(rms).all()):
+        _raise_non_finite(W)
+    if bool((rms > FP16_MAX).any()):
+        raise InvalidConfigError(
+            f"a scale group RMS of {float(rms.max()):.4g} in rows {r0}.. exceeds the fp16 range"
+        )
+    if spec.scale_rule == "rms":
+        s16 = rms.to(torch.float16)
+        # y is not needed after its codes: the search may overwrite it
+        return s16, _codes_for(y, s16, rows.lens, spec.group_size, rows.grid, rows.search, True)
+    return fit_scales(
+        y,
+        rms,
+        rows.lens,
+        spec.group_size,
+        rows.grid,
+        rows.search,
+        spec.scale_rule,
+        rows.scale_search,
+    )
+
+
+def _dequantize_rows(codes: torch.Tensor, s16: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """W_hat (rows, in) float32 of one chunk's codes and scales, on the CPU."""
+    yq = rows.grid.index_select(0, codes).reshape(s16.shape[0], -1)  # (rows, in)
+    yq = _scale_groups_(yq, s16.to(torch.float32), rows.lens, rows.spec.group_size)
+    return unrotate(yq, rows.layout, rows.signs).cpu()
+
+
+def quantize_matrix_full(
+    W: torch.Tensor,
+    spec: MatrixSpec,
+    grid: torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    search: str = "auto",
+    dequantized: bool = True,
+    scale_search: str = "table",
+) -> tuple[QuantizedMatrix, torch.Tensor | None]:
+    """`quantize_matrix` that also returns W_hat (out, in) float32 on the CPU, computed from the
+    codes while they are at hand (no pack / unpack round trip): the same values as
+    `dequantize_matrix(q)`, which the tests check."""
+    rows = _prepare(W, spec, grid, device, search, scale_search)
+    out_f, in_f = W.shape
+    scales = torch.empty(out_f, len(rows.lens), dtype=torch.float16)
     w_hat = torch.empty(out_f, in_f, dtype=torch.float32) if dequantized else None
     packed: list[torch.Tensor] = []
     step = _row_chunk(in_f)
-    col_group = column_groups(lens, dev)
     for r0 in range(0, out_f, step):
-        w = W[r0 : r0 + step].to(device=dev, dtype=torch.float32)  # (rows, in)
-        y = rotate(w, layout, signs)  # (rows, in)
-        rms = group_rms(y, lens, group_size)  # (rows, G)
-        # A nan/inf weight makes its group's RMS non-finite: checking the (rows, G) RMS is
-        # much cheaper than scanning W, and the full scan only runs to name the count.
-        if not bool(torch.isfinite(rms).all()):
-            _raise_non_finite(W)
-        if bool((rms > FP16_MAX).any()):
-            raise InvalidConfigError(
-                f"a scale group RMS of {float(rms.max()):.4g} in rows {r0}.. exceeds the fp16 range"
-            )
-        if scale_rule == "rms":
-            s16 = rms.to(torch.float16)
-            codes = _codes_for(y, s16, lens, group_size, grid, search, inplace=True)
-        else:
-            s16, codes = fit_scales(
-                y, rms, lens, group_size, grid, search, col_group, scale_rule, scale_search
-            )
+        s16, codes = _code_rows(W, r0, r0 + step, rows)
         scales[r0 : r0 + step] = s16.cpu()
-        s = s16.to(torch.float32)
         if w_hat is not None:
-            yq = grid.index_select(0, codes).reshape(w.shape[0], in_f)  # (rows, in)
-            yq = _scale_groups_(yq, s, lens, group_size)
-            w_hat[r0 : r0 + step] = unrotate(yq, layout, signs).cpu()
-        packed.append(pack_codes(codes.cpu(), bits))
+            w_hat[r0 : r0 + step] = _dequantize_rows(codes, s16, rows)
+        packed.append(pack_codes(codes.cpu(), int(math.log2(spec.n))))
     q = QuantizedMatrix(
         out_features=out_f,
         in_features=in_f,
-        p=p,
-        n=n,
-        group_size=group_size,
-        layout=layout,
-        sign_seed=sign_seed,
+        p=spec.p,
+        n=spec.n,
+        group_size=spec.group_size,
+        layout=rows.layout,
+        sign_seed=spec.sign_seed,
         codes=torch.cat(packed) if len(packed) > 1 else packed[0],
         scales=scales,
-        scale_rule=scale_rule,
+        scale_rule=spec.scale_rule,
     )
     return q, w_hat
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from higgs_engine.checkpoint_check import check_tensor_finite
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods import Target, method
+from higgs_engine.methods import Precision, method
 from higgs_engine.model_structure import LayerSpec, is_skipped
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -94,8 +95,9 @@ class RunContext:
     local_files_only: bool
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)
-    # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer.
-    method: str = "higgs"
+    # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer
+    # without data; None: the config's (HiggsConfig.data_free_method).
+    method: str | None = None
 
 
 @dataclass
@@ -127,7 +129,9 @@ def stream_tensors(
     for key in reader:
         pl = by_key.get(key)
         if pl is None or pl.grid is None:
-            nbytes = writer.add_plain(key, reader.get(key))
+            tensor = reader.get(key)
+            check_tensor_finite(key, tensor)  # quantized layers check theirs as they go
+            nbytes = writer.add_plain(key, tensor)
             if pl is not None:
                 writer.keep_layer(pl.spec.name)
                 bits = 8.0 * nbytes / pl.spec.numel
@@ -159,7 +163,9 @@ def _quantize_one(
         w_hat = dequantize_matrix(q)
         bits = float(q.bits_per_weight())
     else:
-        res = method(ctx.method).quantize(w, Target(grid=grid), ctx.config, device=ctx.device)
+        name = ctx.method or ctx.config.data_free_method
+        precision = Precision(grid=grid, group_size=ctx.config.group_size)
+        res = method(name).quantize(w, precision, ctx.config, device=ctx.device)
         q, w_hat, bits = res.quantized, res.w_hat, res.bits
     err = float(relative_error(w, w_hat))
     del w

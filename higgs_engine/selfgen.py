@@ -261,7 +261,8 @@ def self_generated_tokens_reference(
             for first in range(0, config.count, config.batch):
                 rows = starts[first : first + config.batch]
                 out[first : first + len(rows)] = _sample_batch(model, rows, config, vocab, draw)
-                report(progress, "generating", first + len(rows), config.count)
+                total = config.count * config.length  # tokens, as the fast path counts
+                report(progress, "generating", (first + len(rows)) * config.length, total)
     finally:
         model.train(was_training)
     return out

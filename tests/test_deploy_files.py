@@ -8,7 +8,6 @@ imports, and the API's needs no torch."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
 import subprocess
@@ -19,6 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from devtools.import_graph import imported_modules
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
@@ -221,11 +222,7 @@ def _closure(*extras: str) -> set[str]:
 def _third_party_imports(package: str) -> set[str]:
     found: set[str] = set()
     for path in (REPO / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
+        found |= {module.split(".")[0] for _, module in imported_modules(path)}
     return {m for m in found if m not in sys.stdlib_module_names and m not in OWN}
 
 

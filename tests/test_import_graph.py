@@ -45,6 +45,8 @@ ENGINE_LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "sources",
             "safetensors_stream",
+            "checkpoint_check",
+            "artifact_check",
             "model_structure",
             "model_loading",
             "formats",

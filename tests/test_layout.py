@@ -6,7 +6,6 @@ repository root) without editing sys.path."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -17,18 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from devtools.import_graph import imported_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("app", "worker", "higgs_engine", "higgs_cli")
-
-
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
-    return out
 
 
 def offenders(folder: str, bad: set[str]) -> list[str]:

@@ -21,6 +21,7 @@ from app.jobs.rows import ArtifactRow
 from higgs_engine.errors import HiggsError
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
+from worker.limits import RESOURCE_LIMIT, active_limit, out_of_memory
 from worker.messages import message_roots, public_message
 from worker.progress import ProgressWriter
 from worker.scratch import DiskQuotaError
@@ -42,8 +43,11 @@ ENGINE_CODES = frozenset(
 
 
 def job_error_code(exc: BaseException) -> str:
-    """The job's error code for an exception escaping the engine."""
-    if isinstance(exc, HiggsError):
+    """The job's error code for an exception escaping the engine (resource_limit for a failed
+    allocation under the task's memory limit, worker.limits)."""
+    if active_limit() is not None and out_of_memory(exc):
+        return RESOURCE_LIMIT
+    if isinstance(exc, HiggsError) and exc.code != "out_of_memory":
         return exc.code if exc.code in ENGINE_CODES else "engine_error"
     if isinstance(exc, DiskQuotaError):
         return exc.code
@@ -163,6 +167,9 @@ def fail_job(
 ) -> Outcome:
     code = job_error_code(exc)
     message = public_message(exc, message_roots(cfg))
+    limit = active_limit()
+    if code == RESOURCE_LIMIT and limit is not None:
+        message = limit.message()
     if code in ("internal_error", "engine_error"):
         log.exception("job %s failed", job_id)
     else:

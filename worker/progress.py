@@ -85,7 +85,7 @@ class ProgressWriter:
         due = self.clock() - self._last_write >= self.min_interval
         if (changed or due or done >= total) and not self.write(stage, done, total):
             return False
-        if self.layer_delay and stage in ("quantizing", "profiling") and done > 0:
+        if self.layer_delay and stage in ("quantizing", "profiling", "probing") and done > 0:
             self.sleep(self.layer_delay)
         return not self.stop.is_set()
 

@@ -21,6 +21,7 @@ from typing import Any
 from app.artifacts.manifest import artifact_rows as manifest_rows
 from app.artifacts.store import ArtifactStore, StoreUnavailableError, UploadFile, join_uri
 from app.jobs.rows import ArtifactRow
+from higgs_engine.artifact_check import verify_artifacts
 from higgs_engine.errors import CancelledError, HiggsError
 from worker.attempt import Attempt, record_success
 from worker.progress import ProgressWriter
@@ -99,12 +100,15 @@ def _upload(
 def publish_result(
     attempt: Attempt, out: Path, report: Any, formats: list[str], model_revision: str | None
 ) -> Path:
-    """Upload (or move into artifacts_dir) a finished output directory, record the job as
+    """Load every artifact with its engine (higgs_engine.artifact_check), upload (or move into
+    artifacts_dir) a finished output directory, record the job as
     succeeded with its report, layer and artifact rows in one transaction, and drop what
     earlier attempts left. Nothing stays published when the success cannot be recorded."""
     cfg, writer = attempt.cfg, attempt.writer
     if writer.stop.is_set():
         raise CancelledError("cancelled while packaging")
+    # Nothing succeeds that its engine cannot load (CorruptCheckpointError otherwise).
+    verify_artifacts(out, formats)
     store = cfg.store
     if store.on_disk:  # one rename into artifacts_dir; the rows are read from the moved files
         uri, final = "", publish(out, cfg.artifacts_dir, attempt.job_id, attempt.staging.name)

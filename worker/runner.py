@@ -293,7 +293,7 @@ def _run_gguf(
     attempt: Attempt, job_cfg: JobConfig, source: ModelSource, requested: str | None
 ) -> Path | None:
     """A GGUF job: llama.cpp's types per tensor for the target (worker.gguf)."""
-    from worker.gguf import quantize_gguf_job
+    from worker.gguf import GgufJob, GgufWorker, quantize_gguf_job
 
     cfg = attempt.cfg
     attempt.staging.mkdir(parents=True, exist_ok=True)
@@ -303,19 +303,9 @@ def _run_gguf(
     def annotate(report: Report, _staged: Path) -> None:
         record_service(report, source, attempt.worker_id, t0)
 
+    gguf = GgufJob(source, requested, dict(job_cfg.target), job_cfg.gguf_rotate, job_cfg.evaluate)
     report = quantize_gguf_job(
-        attempt.sessions,
-        source,
-        requested,
-        out,
-        dict(job_cfg.target),
-        cfg.profiles,
-        attempt.writer,
-        eval_text_file=cfg.eval_text_file if job_cfg.evaluate else None,
-        eval_context=cfg.eval_context,
-        eval_windows=cfg.eval_windows,
-        rotate=job_cfg.gguf_rotate,
-        annotate=annotate,
+        attempt.sessions, gguf, GgufWorker.of(cfg), out, attempt.writer, annotate
     )
     engine_s = float(report.metrics["service"]["engine_wall_s"])
     final = publish_result(attempt, out, report, ["gguf"], source.revision)

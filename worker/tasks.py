@@ -10,6 +10,7 @@ whole worker that dies is handled by the heartbeat sweep, also with bounded atte
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -28,8 +29,13 @@ from worker.celery_app import (
     sweep_once,
 )
 from worker.dbretry import retry_db
+from worker.limits import memory_limit
+from worker.staging import clear_stale_staging
 
 log = logging.getLogger("worker.tasks")
+
+# The job's error code when its pool process crashed in native code (docs/api.md).
+NATIVE_CRASH = "native_crash"
 
 # The main process does this write inline (its consumer waits): a short budget; if the
 # database is away longer, the heartbeat sweep re-queues the job later.
@@ -39,6 +45,28 @@ LOST_DB_RETRY_S = 10.0
 def _exception(exc_info: Any) -> BaseException | None:
     exc = getattr(exc_info, "exception", None)
     return getattr(exc, "exc", exc)  # celery wraps some in ExceptionWithTraceback
+
+
+# Signals of a process that crashed in its own code (not killed from outside: SIGKILL from the
+# OOM killer or an operator, SIGTERM at shutdown are lost workers, retried).
+_CRASH_SIGNALS = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 11: "SIGSEGV"}
+
+
+def native_crash(exc: BaseException | None, max_memory_mb: int) -> str | None:
+    """The job's error message when its pool process crashed in native code (billiard's
+    WorkerLostError "...exited prematurely: signal 6 (SIGABRT)..."), else None."""
+    if not isinstance(exc, WorkerLostError):
+        return None
+    m = re.search(r"signal (\d+)", str(exc))
+    if m is None or int(m.group(1)) not in _CRASH_SIGNALS:
+        return None
+    sig = int(m.group(1))
+    return (
+        f"the worker process running the job crashed in native code (signal {sig}, "
+        f"{_CRASH_SIGNALS[sig]}): an assertion or fault in llama.cpp or torch on this model, "
+        f"or an allocation past the memory limit (HIGGS_WORKER_MAX_MEMORY_MB={max_memory_mb}); "
+        "the job is not retried"
+    )
 
 
 class JobRequest(Request):
@@ -85,6 +113,21 @@ class JobRequest(Request):
             except state.IllegalTransitionError:
                 return
             log.error("job %s: %s", job_id, message)
+            return
+        crash = native_crash(exc, settings.worker_max_memory_mb)
+        if crash is not None:
+            # A crash inside native code (llama.cpp's GGML_ASSERT, a segfault) would crash
+            # every attempt the same way: the job fails once, with that code.
+            def fail_crash() -> None:
+                with sessions() as s:
+                    state.fail(s, job_id, NATIVE_CRASH, crash, worker_id=owner)
+
+            try:
+                retry_db(fail_crash, f"crash of job {job_id}", LOST_DB_RETRY_S)
+            except state.IllegalTransitionError:
+                return
+            clear_stale_staging(settings.artifacts_path, job_id)  # what the attempt staged
+            log.error("job %s: %s", job_id, crash)
             return
         reason = f"the worker process running it died ({exc})"
 
@@ -185,7 +228,9 @@ def run_job(job_id: str) -> OutcomeStatus:
     from worker.runner import run_job as run
 
     settings = app.conf.higgs_settings
-    outcome = run(sessions_for(settings), job_id, _runner_config(), dispatch=fanout_dispatch())
+    cfg = _runner_config()
+    with memory_limit(settings.worker_max_memory_mb, cfg.device):
+        outcome = run(sessions_for(settings), job_id, cfg, dispatch=fanout_dispatch())
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)
     return outcome.status
 
@@ -195,7 +240,9 @@ def run_part(job_id: str, attempt: int, idx: int) -> OutcomeStatus:
     from worker.fanout import run_part as run
 
     settings = app.conf.higgs_settings
-    outcome = run(sessions_for(settings), job_id, int(attempt), int(idx), _runner_config())
+    cfg = _runner_config()
+    with memory_limit(settings.worker_max_memory_mb, cfg.device):
+        outcome = run(sessions_for(settings), job_id, int(attempt), int(idx), cfg)
     log.info("job %s part %s: %s %s", job_id, idx, outcome.status, outcome.detail)
     return outcome.status
 
@@ -208,7 +255,9 @@ def assemble(results: Any, job_id: str, attempt: int) -> OutcomeStatus:
     settings = app.conf.higgs_settings
     # The chord passes its parts' results; the sweep's barrier sends None.
     trigger = "sweep" if results is None else "chord"
-    outcome = run(sessions_for(settings), job_id, int(attempt), _runner_config(), trigger=trigger)
+    cfg = _runner_config()
+    with memory_limit(settings.worker_max_memory_mb, cfg.device):
+        outcome = run(sessions_for(settings), job_id, int(attempt), cfg, trigger=trigger)
     log.info("job %s assembly (%s): %s %s", job_id, trigger, outcome.status, outcome.detail)
     return outcome.status
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -60,6 +61,26 @@ def get_artifact(
     return service.artifact_view(art)
 
 
+@dataclass(frozen=True)
+class Conditions:
+    """A file download's conditional request headers: Range, If-Range, If-None-Match."""
+
+    range: str | None
+    if_range: str | None
+    if_none_match: str | None
+
+
+def _conditions(
+    range_: Annotated[str | None, Header(alias="Range")] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range")] = None,
+    if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+) -> Conditions:
+    return Conditions(range_, if_range, if_none_match)
+
+
+ConditionsDep = Annotated[Conditions, Depends(_conditions)]
+
+
 @router.get(
     "/{format}/files/{path:path}",
     response_class=Response,
@@ -85,9 +106,7 @@ def download_file(
     sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
-    range_: Annotated[str | None, Header(alias="Range")] = None,
-    if_range: Annotated[str | None, Header(alias="If-Range")] = None,
-    if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+    conditions: ConditionsDep,
 ) -> Response:
     with sessions() as session:  # closed before the file is sent
         art = service.get_artifact(session, key, job_id, format)
@@ -95,7 +114,7 @@ def download_file(
     store = store_for_uri(settings, art.uri)
     headers = {**digest_headers(row.sha256), "Accept-Ranges": "bytes"}
     etag = headers["ETag"]
-    if none_match(if_none_match, etag):
+    if none_match(conditions.if_none_match, etag):
         return Response(status_code=304, headers=headers)
     size = row.bytes
     head = is_head(request.scope)
@@ -105,7 +124,9 @@ def download_file(
         if url is not None:
             return Response(status_code=307, headers={**headers, "Location": url})
     # If-Range with another validator: the client's partial copy is stale, send it all.
-    rng = parse_range(range_, size) if if_range_matches(if_range, etag) else None
+    rng = (
+        parse_range(conditions.range, size) if if_range_matches(conditions.if_range, etag) else None
+    )
     # Artifact files are bytes to save, whatever their name: one content type, as documented.
     media = "application/octet-stream"
     start, end = (0, size) if rng is None else rng

@@ -8,18 +8,15 @@ use (app.keys.hub_token: the key's own, or the service's where the operator allo
 the process's HF_TOKEN or stored login). The
 whole fetch is bounded by `timeout_s` of wall time and 1 MiB; anything that goes wrong (no
 network, a private or gated repository, a missing file, a slow answer, bad JSON) answers None:
-the architecture is then unknown here and the worker checks it before any work. Answers are
-kept for an hour per (model, revision, token), failures for a minute (a Hub that does not
-answer costs one timeout a minute, not one per submit); an answer read with one token is never
-given to a request with another.
+the architecture is then unknown here and the worker checks it before any work. Nothing is
+cached here: app.jobs.hub_check bounds how many of these reads run at once and keeps their
+answers and failures, per token.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
 import time
 from urllib.parse import quote
 
@@ -28,11 +25,6 @@ import httpx
 __all__ = ["MAX_CONFIG_BYTES", "hub_architecture"]
 
 MAX_CONFIG_BYTES = 1024 * 1024
-_TTL_S = 3600.0
-_FAILED_TTL_S = 60.0  # an unreadable config is asked for again after this long
-_MAX_ENTRIES = 4096
-_cache: dict[tuple[str, str, str], tuple[float, str | None]] = {}
-_lock = threading.Lock()
 
 
 def hub_endpoint() -> str:
@@ -69,17 +61,10 @@ def hub_architecture(
 ) -> str | None:
     """The first `architectures` entry of the Hub model's config.json at `revision` (default
     main), read with `token` (None: anonymously), or None when it cannot be read within
-    `timeout_s` (0: never asked)."""
+    `timeout_s` (0: never asked). Blocking: it holds its thread until the Hub answers or the
+    time is up."""
     if timeout_s <= 0:
         return None
-    who = hashlib.sha256(token.encode()).hexdigest() if token else ""
-    key = (model_id, revision or "main", who)
-    now = time.monotonic()
-    with _lock:
-        hit = _cache.get(key)
-    if hit is not None and now - hit[0] < (_TTL_S if hit[1] is not None else _FAILED_TTL_S):
-        return hit[1]
-    arch = None
     try:
         raw = _fetch(_config_url(model_id, revision or "main"), timeout_s, token)
         cfg = json.loads(raw) if raw is not None else None
@@ -87,9 +72,5 @@ def hub_architecture(
         cfg = None
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
     if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        arch = archs[0][:128]
-    with _lock:
-        if len(_cache) >= _MAX_ENTRIES:
-            _cache.clear()
-        _cache[key] = (now, arch)
-    return arch
+        return archs[0][:128]
+    return None

@@ -17,18 +17,29 @@ from pydantic import (
 )
 
 from higgs_engine.planning.config import (
+    DEFAULT_FORMATS,
+    DEFAULT_METHOD,
     DEFAULT_SCALE_RULE,
     DEFAULT_SCOPE,
     DEFAULT_SIGN_SEED,
+    FORMAT_NAMES,
+    FormatName,
+    MethodName,
     ScaleRule,
     Scope,
 )
 from higgs_engine.planning.layout import is_power_of_two
 
-# native / dequantized: HIGGS artifacts (the default pair); gguf: one file for llama.cpp, in
-# llama.cpp's own types chosen per tensor by the allocator (asked for alone).
-Format = Literal["native", "dequantized", "gguf"]
-_ALL_FORMATS: tuple[Format, ...] = ("native", "dequantized")
+# The engine's format names (higgs_engine.planning.config): native / dequantized, HIGGS
+# artifacts (the default pair); gguf, one file for llama.cpp in llama.cpp's own types chosen per
+# tensor by the allocator (asked for alone).
+Format = FormatName
+
+
+def _default_formats() -> list[Format]:
+    return list(DEFAULT_FORMATS)
+
+
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # Seeds are stored in JSON and given to torch generators: a signed 64-bit range, non-negative.
 MAX_SEED = 2**63 - 1
@@ -71,7 +82,7 @@ class Strict(BaseModel):
 
 
 def _exactly_one_target_schema(schema: dict[str, Any]) -> None:
-    """The OpenAPI form of Target's rule, one object per kind with its one number (never
+    """The OpenAPI form of TargetRequest's rule, one object per kind with its one number (never
     null), so SDK generators make a union of three small types."""
     props = schema.get("properties", {})
     names = {"bits": "BitsTarget", "avg_bits": "AvgBitsTarget", "max_ppl_increase": "PplTarget"}
@@ -118,8 +129,9 @@ class ModelRef(Strict):
     )
 
 
-class Target(Strict):
-    """Exactly one of the three (the others omitted, not null)."""
+class TargetRequest(Strict):
+    """A request's target: exactly one of the three (the others omitted, not null). Its
+    dynamic kinds become the engine's higgs_engine.planning.plans.Target."""
 
     model_config = ConfigDict(json_schema_extra=_exactly_one_target_schema)
 
@@ -149,7 +161,7 @@ class Target(Strict):
         return data
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> Target:
+    def _exactly_one(self) -> TargetRequest:
         given = [k for k in TARGET_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -188,9 +200,9 @@ class Options(Strict):
         default=1024, description="Hadamard block: a power of two in 64..4096"
     )
     formats: list[Format] = Field(
-        default_factory=lambda: list(_ALL_FORMATS),
+        default_factory=_default_formats,
         min_length=1,
-        max_length=3,
+        max_length=len(FORMAT_NAMES),
         json_schema_extra={"uniqueItems": True},
         description="native and/or dequantized (HIGGS, the default pair), or gguf alone: a "
         "GGUF file for llama.cpp whose tensors take llama.cpp's own types, chosen by the "
@@ -231,6 +243,14 @@ class Options(Strict):
     calibration_tokens: int | None = Field(
         default=None, ge=2, le=1_000_000, description="calibration tokens (default 8192)"
     )
+    method: MethodName = Field(
+        default=DEFAULT_METHOD,
+        description="how each layer is quantized: higgs (data-free HIGGS, the default), "
+        "higgs-gptq (calibrated HIGGS: needs calibration), or a baseline on the same bits, "
+        "rtn (round-to-nearest integers per group of group_size) or nf4 / nf4-dq (4-bit "
+        "NormalFloat per block of group_size, nf4-dq with its scales quantized too); the "
+        'baselines write formats ["dequantized"] only, with target.bits only',
+    )
     gguf_rotate: Literal["off", "on", "auto"] | None = Field(
         default=None,
         description="gguf only, llama-family models: fold the norms and rotate the residual "
@@ -249,7 +269,7 @@ class Options(Strict):
 
 class JobCreate(Strict):
     model: ModelRef
-    target: Target
+    target: TargetRequest
     options: Options = Field(default_factory=Options)
     webhook_url: str | None = Field(
         default=None,
@@ -264,6 +284,9 @@ class Progress(BaseModel):
     done: int
     total: int
     fraction: float | None
+    # what done / total count for this stage (higgs_engine.planning.stages): token, window,
+    # layer, tensor, file, step; null without a stage
+    unit: str | None = None
 
 
 class JobError(BaseModel):

@@ -38,12 +38,19 @@ from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_
 from app.settings import Settings
 from app.webhooks.urls import WebhookUrlError, check_webhook_url
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.planning.config import (
+    CONFIG_VERSION,
+    DEFAULT_METHOD,
+    SUPPORTED_GRIDS,
+    HiggsConfig,
+    check_method_job,
+)
+from higgs_engine.planning.stages import stage_unit
 
-# The Hub token a job of the caller's key would use (app.keys.hub_token), asked lazily.
-HubTokenGetter = Callable[[], "str | None"]
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
+# hub(model_id, revision) -> the Hub model's architecture, None when unknown
+HubLookup = Callable[[str, str | None], str | None]
 
 
 class ReportNotReadyError(ConflictError):
@@ -79,18 +86,17 @@ def validate_request(
     req: JobCreate,
     settings: Settings,
     registry: LocalNames | None = None,
-    hub_token: HubTokenGetter | None = None,
+    hub: HubLookup | None = None,
 ) -> JobSpec:
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
     `registry`: the local models the workers registered (the API needs no models folder);
-    `hub_token()`: the Hub token the job would use (asked only for a Hub model's check)."""
+    `hub`: how a Hub model's architecture is read (app.jobs.hub_check, bounded and cached;
+    None: not at submit, the worker checks it)."""
     try:
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
         raise ValidationFailedError.field(e.field, str(e)) from e
-
-    target = req.target
-    kind, value = target.kind, target.value
+    kind, value = req.target.kind, req.target.value
     opts = req.options
     if kind in _DYNAMIC and not settings.dynamic_targets:
         raise NotSupportedError.field(
@@ -100,7 +106,44 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s, hub_token)
+        check_gguf_request(req, ref, registry, hub)
+    cfg = _engine_config(req, gguf, settings)
+    try:
+        check_method_job(
+            opts.method,
+            calibrated=opts.calibration is not None,
+            dynamic=kind in _DYNAMIC,
+            gguf=gguf,
+        )
+    except InvalidConfigError as e:
+        raise ValidationFailedError.field("options.method", str(e)) from e
+    webhook_url = _webhook_url(req, settings)
+    if opts.gguf_rotate is not None and not gguf:
+        raise ValidationFailedError.field(
+            "options.gguf_rotate", 'options.gguf_rotate is an option of formats ["gguf"]'
+        )
+    request, request_hash = _canonical_request(req)
+    return JobSpec(
+        request=request,
+        request_hash=request_hash,
+        config=JobConfig(
+            engine=cfg.to_dict(),
+            target={kind: value},
+            evaluate=opts.evaluate,
+            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
+            gguf=gguf,
+            gguf_rotate=opts.gguf_rotate if gguf else None,
+        ),
+        model_id=req.model.id,
+        webhook_url=webhook_url,
+    )
+
+
+def _engine_config(req: JobCreate, gguf: bool, settings: Settings) -> HiggsConfig:
+    """The engine's HiggsConfig of a request (for a GGUF job, the unused defaults), its grid
+    options and dynamic target checked; 422 naming the field."""
+    kind, value = req.target.kind, req.target.value
+    opts = req.options
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -113,6 +156,7 @@ def validate_request(
         "seed": opts.seed,
         # a GGUF job quantizes the embedding in llama.cpp's types; its HIGGS config is unused
         "scope": "linear" if gguf else opts.scope,
+        "method": DEFAULT_METHOD if gguf else opts.method,
     }
     check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
@@ -144,20 +188,22 @@ def validate_request(
         )
     if cfg.version != CONFIG_VERSION:  # pragma: no cover - the engine checks this itself
         raise ValidationFailedError.field("options", f"engine config version {cfg.version}")
+    return cfg
 
-    webhook_url = None
-    if req.webhook_url is not None:
-        try:
-            webhook_url = check_webhook_url(
-                req.webhook_url, allow_private=settings.webhook_allow_private
-            )
-        except WebhookUrlError as e:
-            raise ValidationFailedError.field("webhook_url", str(e)) from e
 
-    if opts.gguf_rotate is not None and not gguf:
-        raise ValidationFailedError.field(
-            "options.gguf_rotate", 'options.gguf_rotate is an option of formats ["gguf"]'
-        )
+def _webhook_url(req: JobCreate, settings: Settings) -> str | None:
+    """The request's webhook_url once the URL rules accept it (422 naming webhook_url)."""
+    if req.webhook_url is None:
+        return None
+    try:
+        return check_webhook_url(req.webhook_url, allow_private=settings.webhook_allow_private)
+    except WebhookUrlError as e:
+        raise ValidationFailedError.field("webhook_url", str(e)) from e
+
+
+def _canonical_request(req: JobCreate) -> tuple[dict[str, Any], str]:
+    """The request as stored and its sha256 (what an Idempotency-Key replay must match).
+    Options added later are left out at their defaults, so earlier requests hash as before."""
     request = req.model_dump(mode="json")
     if request["options"].get("scope") == "linear":
         del request["options"]["scope"]  # the default: the stored request (and hash) as before
@@ -165,21 +211,10 @@ def validate_request(
         request.pop("webhook_url", None)  # the stored request (and its hash) as before webhooks
     if request.get("options", {}).get("gguf_rotate") is None:
         request.get("options", {}).pop("gguf_rotate", None)  # likewise
+    if request["options"].get("method") == DEFAULT_METHOD:
+        del request["options"]["method"]  # likewise
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
-    return JobSpec(
-        request=request,
-        request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
-        config=JobConfig(
-            engine=cfg.to_dict(),
-            target={kind: value},
-            evaluate=opts.evaluate,
-            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
-            gguf=gguf,
-            gguf_rotate=opts.gguf_rotate if gguf else None,
-        ),
-        model_id=req.model.id,
-        webhook_url=webhook_url,
-    )
+    return request, hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # Options of HIGGS artifacts only: a gguf job given any of them is refused, naming each, rather
@@ -198,16 +233,12 @@ HIGGS_ONLY_OPTIONS = (
 
 
 def check_gguf_request(
-    req: JobCreate,
-    ref: ModelSource,
-    registry: LocalNames | None,
-    hub_timeout_s: float = 0.0,
-    hub_token: HubTokenGetter | None = None,
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
 ) -> None:
     """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
     target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
-    model's as the workers registered it, a Hub model's from its config.json within
-    `hub_timeout_s`, read with the job's own Hub token)."""
+    model's as the workers registered it, a Hub model's from its config.json through `hub`,
+    read with the job's own Hub token)."""
     from higgs_engine.planning.gguf_types import (
         GGUF_ARCHITECTURES,
         max_menu_bits,
@@ -272,11 +303,8 @@ def check_gguf_request(
             arch = read_architecture(ref.path)
         elif registry is not None:
             arch = registry.architecture(req.model.id)
-    elif ref.kind == "hub":
-        from app.jobs.hub_config import hub_architecture
-
-        token = hub_token() if hub_token is not None and hub_timeout_s > 0 else None
-        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s, token)
+    elif ref.kind == "hub" and hub is not None:
+        arch = hub(req.model.id, req.model.revision)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
@@ -332,6 +360,32 @@ def _replay(job: Job, spec: JobSpec) -> Job:
 QUOTA_RETRY_AFTER_S = 30
 
 
+def _check_active(session: Session, key: AuthKey, max_active: int) -> None:
+    active = repository.count_active(session, key.id)
+    if active >= max_active:
+        raise QuotaExceededError(
+            f"this API key has {active} jobs queued or running, the most allowed at once "
+            f"({max_active}); submit again when one has finished",
+            retry_after=QUOTA_RETRY_AFTER_S,
+        )
+
+
+def check_quota_first(
+    session: Session, key: AuthKey, idempotency_key: str | None, max_active: int
+) -> None:
+    """The job quota before anything costly is checked (a Hub model's config read): 429 when
+    the key already has `max_active` jobs queued or running, unless the request replays an
+    existing job by its Idempotency-Key (never refused). create_job counts again, under the
+    key's lock, before its insert: this early count only spares the work of a refused submit."""
+    if max_active <= 0:
+        return
+    if idempotency_key is not None and repository.by_idempotency_key(
+        session, key.id, idempotency_key
+    ):
+        return
+    _check_active(session, key, max_active)
+
+
 def create_job(
     session: Session,
     key: AuthKey,
@@ -353,13 +407,7 @@ def create_job(
             return _replay(existing, spec), False
     if max_active > 0:
         lock_key(session, key.id)  # the count and the insert below, one key at a time
-        active = repository.count_active(session, key.id)
-        if active >= max_active:
-            raise QuotaExceededError(
-                f"this API key has {active} jobs queued or running, the most allowed at once "
-                f"({max_active}); submit again when one has finished",
-                retry_after=QUOTA_RETRY_AFTER_S,
-            )
+        _check_active(session, key, max_active)
     check_disk_quota(session, key.id, disk_quota)
     now = utcnow()
     job = Job(
@@ -486,6 +534,7 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
                 "done": job.progress_done,
                 "total": total,
                 "fraction": round(job.progress_done / total, 4) if total else None,
+                "unit": stage_unit(job.stage),
             },
             "cancel_requested": job.cancel_requested,
             "attempts": job.attempts,

@@ -14,7 +14,7 @@ from typing import Any
 
 from app.errors import ValidationFailedError
 from higgs_engine.errors import InfeasibleTargetError
-from higgs_engine.planning.config import SUPPORTED_GRIDS, code_bits
+from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig, code_bits
 from higgs_engine.planning.options import option_menu
 
 DYNAMIC_TARGETS = ("avg_bits", "max_ppl_increase")
@@ -88,30 +88,27 @@ def check_dynamic_target(
 def compute_plan(
     profile_data: dict[str, Any],
     target: dict[str, float] | None,
+    base: HiggsConfig | None = None,
     *,
-    group_size: int = 256,
-    rotation_block: int = 1024,
-    dtype: str = "float16",
     p: int | None = None,
     resolution: float = 1e-4,
     pareto_step: float = 0.05,
-    scope: str = "linear",
 ) -> dict[str, Any]:
-    """The Pareto curve and (with a target) the per-layer allocation, from a stored profile:
-    over its linear layers (scope "linear"), or over the embedding and head too when the
-    profile has them (scope "all", as a job with options.scope "all" allocates).
+    """The Pareto curve and (with a target) the per-layer allocation, from a stored profile,
+    for the job config `base` (its group size, rotation block, dtype and scope; None: the
+    defaults) over the grids of dimension `p` (None: both): over the profile's linear layers
+    (scope "linear"), or over the embedding and head too when the profile has them (scope
+    "all", as a job with options.scope "all" allocates).
 
     Raises ValidationFailedError naming target.<kind> when the target is infeasible for this
     model, HiggsError when the profile cannot be used."""
-    from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.planning.plans import Target, plan_allocation
     from higgs_engine.planning.profile import Profile
 
     profile = Profile.from_dict(profile_data)
-    base = HiggsConfig(
-        group_size=group_size, rotation_block=rotation_block, dtype=dtype, scope=scope
-    )
-    names = [la.name for la in profile.layers] if scope == "all" else profile.linear_layers()
+    base = base or HiggsConfig()
+    every = base.scope == "all"
+    names = [la.name for la in profile.layers] if every else profile.linear_layers()
     eng_target = Target(**target) if target else None
     try:
         plan = plan_allocation(

@@ -12,7 +12,7 @@ from app.db.models import Profile
 from app.errors import NotFoundError, ValidationFailedError
 from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.model_ref import ModelRefError, resolve_model
-from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, Target
+from app.jobs.schemas import GridDim, GroupSize, ModelRef, RotationBlock, Strict, TargetRequest
 from app.jobs.service import config_error_field
 from app.plans.planner import DYNAMIC_TARGETS, check_dynamic_target, check_grid_dim, compute_plan
 from app.plans.profiles import find_profiles, profile_payload
@@ -41,7 +41,7 @@ class PlanOptions(Strict):
 
 class PlanCreate(Strict):
     model: ModelRef
-    target: Target | None = Field(
+    target: TargetRequest | None = Field(
         default=None, description="avg_bits or max_ppl_increase; omitted: the curve only"
     )
     metric: Literal["kl", "ppl", "cos"] | None = Field(
@@ -118,16 +118,13 @@ def plan(sessions: sessionmaker[Session], settings: Settings, req: PlanCreate) -
         raise ProfileNotFound(f"the profile of {req.model.id!r} is not usable")
     target = {req.target.kind: req.target.value} if req.target else None
     opts = req.options
-    result = compute_plan(
-        data,
-        target,
+    base = HiggsConfig(
         group_size=opts.group_size,
         rotation_block=opts.rotation_block,
         dtype=opts.dtype,
-        p=opts.p,
-        resolution=settings.plan_resolution,
         scope=opts.scope,
     )
+    result = compute_plan(data, target, base, p=opts.p, resolution=settings.plan_resolution)
     cfg = data["config"]
     return {
         "model": {"id": req.model.id, "revision": row.revision},

@@ -9,10 +9,11 @@
 A run (higgs_engine.pipeline) or one part of a sharded run (higgs_engine.parts) streams every
 tensor through higgs_engine.artifacts.ArtifactWriter, which fans it out to the writers of the
 formats its config names; the assembly of parts asks the same classes how many shards a format
-has and writes their small files. Adding a format: a module here with a FormatWriter subclass,
-one line in `FORMATS`, and its name in `higgs_engine.planning.config.FORMATS`, the torch-free
-list the API and HiggsConfig validate against (tests/engine/test_registries.py checks that the
-two agree).
+has and writes their small files. Format names are defined once, torch-free, in
+higgs_engine.planning.config (`WriterFormat`, whose names HiggsConfig and the API accept); the
+registry is keyed by each writer's `name`, typed as one of them. Adding a format: its name in
+`WriterFormat`, a module here with a FormatWriter subclass, and the class in `_WRITERS`
+(tests/engine/test_registries.py checks that every name has its writer).
 
 GGUF is not a FormatWriter. A GGUF file is produced whole by llama.cpp (higgs_engine/gguf/):
 its converter turns the 16-bit checkpoint into a GGUF of llama.cpp's own tensor names, layouts
@@ -20,7 +21,7 @@ and metadata (architecture, tokenizer, chat template), then llama.cpp's quantize
 own block types per tensor from a whole-file allocation measured on that converted file. None
 of it sees the HIGGS codes of a streamed layer, and neither step can take tensors one at a time
 from the quantizing stream, so GGUF stays a separate whole-file path
-(higgs_engine.gguf.run.quantize_gguf, the CLI's and the service's `gguf` format).
+(higgs_engine.gguf.run.run_gguf_plan, the CLI's and the service's `gguf` format).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from higgs_engine.formats.native import NativeWriter
 
 __all__ = ["FORMATS", "FormatWriter", "format_writer"]
 
+_WRITERS: tuple[type[FormatWriter], ...] = (NativeWriter, DequantizedWriter)
 # name -> writer class (the class is the factory: cls(fmt_dir, dtype, source_dir)).
-FORMATS: dict[str, type[FormatWriter]] = {
-    "native": NativeWriter,
-    "dequantized": DequantizedWriter,
-}
+FORMATS: dict[str, type[FormatWriter]] = {w.name: w for w in _WRITERS}
 
 
 def format_writer(name: str) -> type[FormatWriter]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from higgs_engine.formats.base import FormatWriter
+from higgs_engine.planning.config import WriterFormat
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +20,7 @@ __all__ = ["DequantizedWriter"]
 class DequantizedWriter(FormatWriter):
     """W_hat of every quantized layer, as the source stores it (Conv1D: transposed)."""
 
-    name: ClassVar[str] = "dequantized"
+    name: ClassVar[WriterFormat] = "dequantized"
 
     def add_quantized(
         self, spec: LayerSpec, q: QuantizedMatrix | None, w_hat: torch.Tensor

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.formats.base import FormatWriter, write_configs
+from higgs_engine.planning.config import WriterFormat
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ def quantization_config(
 class NativeWriter(FormatWriter):
     """Codes and scales of every quantized layer; the grids; quantization_config."""
 
-    name: ClassVar[str] = "native"
+    name: ClassVar[WriterFormat] = "native"
     carries_grids: ClassVar[bool] = True
 
     @classmethod

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from higgs_engine.errors import HiggsError, UnsupportedModelError
+from higgs_engine.errors import HiggsError, OutOfMemoryError, UnsupportedModelError
 from higgs_engine.gguf.llama import LlamaError, LlamaUnavailableError
 
 CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
@@ -91,8 +91,13 @@ def convert_checkpoint(
     outtype: "auto" (the checkpoint's own 16-bit type: bf16 stays bf16, float32 becomes f16),
     "f16", "bf16" or "f32". With `split_max_bytes`, shards of at most that size named
     <out_file stem>-0000k-of-0000N.gguf (llama.cpp's split files); `out_file` is then the first.
-    A failure raises LlamaError with the converter's last lines."""
+    A failure raises LlamaError with the converter's last lines (OutOfMemoryError when it ran
+    out of memory). The checkpoint's tensors are checked to be finite first (check_finite):
+    llama.cpp aborts its process on a NaN scale instead of raising."""
+    from higgs_engine.checkpoint_check import check_finite
+
     d = converter_dir(converter)
+    check_finite(Path(checkpoint))
     cmd = [
         sys.executable,
         str(d / CONVERTER_SCRIPT),
@@ -120,15 +125,30 @@ def convert_checkpoint(
         else [out_file]
     )
     if res.returncode != 0 or not written or not written[0].is_file():
-        raise _converter_error(checkpoint, res.stderr or res.stdout or "")
+        raise _converter_error(checkpoint, res.stderr or res.stdout or "", res.returncode)
     return written[0]
 
 
-def _converter_error(checkpoint: Path, output: str) -> HiggsError:
+# What a process that could not get memory prints: Python, C++ (llama.cpp), the C library.
+_OUT_OF_MEMORY = (
+    "MemoryError",
+    "std::bad_alloc",
+    "Cannot allocate memory",
+    "can't allocate memory",
+)
+
+
+def _converter_error(checkpoint: Path, output: str, returncode: int = 1) -> HiggsError:
     """The converter's own exception line as one message: what it does not support in the
     checkpoint (NotImplementedError: a tokenizer or layer it does not know) is
-    UnsupportedModelError, anything else LlamaError."""
+    UnsupportedModelError, running out of memory (under the caller's memory limit, or killed
+    by a signal) OutOfMemoryError, anything else LlamaError."""
     lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+    if any(m in output for m in _OUT_OF_MEMORY) or returncode == -9:
+        return OutOfMemoryError(
+            f"llama.cpp's converter ran out of memory on {checkpoint.name}"
+            + (" (killed by SIGKILL)" if returncode == -9 else "")
+        )
     found = next(
         (
             m

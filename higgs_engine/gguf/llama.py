@@ -8,14 +8,15 @@ the type's own to_float.
 
 Models are loaded with `use_extra_bufts` off: llama.cpp's CPU weight repacking (an extra buffer
 type) is a speed feature only, and it crashed on some AVX-512 machines with Q4_0 / Q4_K files.
+scripts/install_llama_cpp builds llama.cpp without it (GGML_CPU_REPACK=OFF) so that a user's
+`Llama(path)` runs these files too; the flag here still guards a build made elsewhere.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -407,12 +408,3 @@ class LlamaModel:
         if not ptr:
             raise LlamaError("llama.cpp returned no pooled embedding")
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
-
-
-@contextmanager
-def open_model(path: Path, **kw: Any) -> Iterator[LlamaModel]:
-    m = LlamaModel(path, **kw)
-    try:
-        yield m
-    finally:
-        m.close()

@@ -139,18 +139,6 @@ def _field_int(r: Any, key: str) -> int:
     return int(f.parts[f.data[0]][0])
 
 
-def tensor_rows(f: GgufFile, name: str, rows: np.ndarray | None = None) -> np.ndarray:
-    """float32 rows (all, or those indexed by `rows`) of a 16-bit tensor of a GGUF file."""
-    from gguf import GGUFReader
-
-    for spec in f.tensors:
-        if spec.name == name:
-            for t in GGUFReader(str(spec.file)).tensors:
-                if t.name == name:
-                    return _as_float(t, rows)
-    raise InvalidConfigError(f"GGUF file {f.paths[0].name} has no tensor {name!r}")
-
-
 def _as_float(t: Any, rows: np.ndarray | None) -> np.ndarray:
     cols = int(t.shape[0])
     kind = t.tensor_type.name

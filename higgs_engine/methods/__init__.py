@@ -2,7 +2,7 @@
 `METHODS` of them.
 
     base       the Method interface (name, whether it needs calibration data, whether it has a
-               native encoding; quantize one matrix / a group sharing an input), Target (the
+               native encoding; quantize one matrix / a group sharing an input), Precision (the
                layer's grid / bits / scale group) and Quantized (W_hat, bits, the encoding)
     higgs      "higgs" (data-free HIGGS: every run's per-layer quantization) and "higgs-gptq"
                (calibrated HIGGS: GPTQ with the HIGGS grid, higgs_engine.pipeline.calibrate_layers)
@@ -21,8 +21,8 @@ from higgs_engine.methods.base import (
     CalibratedMethod,
     DataFreeMethod,
     Method,
+    Precision,
     Quantized,
-    Target,
 )
 from higgs_engine.methods.baselines import (
     GptqInt4Method,
@@ -37,8 +37,8 @@ __all__ = [
     "CalibratedMethod",
     "DataFreeMethod",
     "Method",
+    "Precision",
     "Quantized",
-    "Target",
     "method",
 ]
 

@@ -1,7 +1,7 @@
 """The Method interface: one quantization method, one weight matrix (or one group of matrices
 sharing an input) at a time.
 
-A method takes a layer's float32 (out, in) weight, what the layer is quantized to (`Target`: a
+A method takes a layer's float32 (out, in) weight, what the layer is quantized to (`Precision`: a
 HIGGS grid and/or an integer width, a scale group) and the run's HiggsConfig, and returns
 `Quantized`: W_hat, the bits per weight it costs, and, when the method has a native encoding,
 the QuantizedMatrix the native artifact stores. A method that needs calibration data
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.quantize import QuantizedMatrix
 
-__all__ = ["CalibratedMethod", "DataFreeMethod", "Method", "Quantized", "Target"]
+__all__ = ["CalibratedMethod", "DataFreeMethod", "Method", "Precision", "Quantized"]
 
 
 @dataclass(frozen=True)
-class Target:
+class Precision:
     """What one layer is quantized to.
 
     grid: a HIGGS grid (p, n) (HIGGS methods: None = the config's p, n); bits: an integer
@@ -51,7 +51,7 @@ class Target:
             if b >= 1 and b.is_integer():
                 return int(b)
         raise InvalidConfigError(
-            f"method {method!r} needs an integer bit width; target {self} gives none",
+            f"method {method!r} needs an integer bit width; {self} gives none",
             field="bits",
         )
 
@@ -82,7 +82,7 @@ class Method(ABC):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -94,7 +94,7 @@ class Method(ABC):
     def quantize_many(
         self,
         ws: Sequence[torch.Tensor],
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -121,13 +121,13 @@ class DataFreeMethod(Method):
     def quantize_many(
         self,
         ws: Sequence[torch.Tensor],
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ) -> list[Quantized]:
-        return [self.quantize(w, target, config, device=device) for w in ws]
+        return [self.quantize(w, precision, config, device=device) for w in ws]
 
 
 class CalibratedMethod(Method):
@@ -138,10 +138,10 @@ class CalibratedMethod(Method):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ) -> Quantized:
-        return self.quantize_many([w], target, config, hessian=hessian, device=device)[0]
+        return self.quantize_many([w], precision, config, hessian=hessian, device=device)[0]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from higgs_engine.errors import InvalidConfigError
-from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Target
+from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Precision, Quantized
 
 if TYPE_CHECKING:
     import torch
@@ -19,15 +19,15 @@ __all__ = ["GptqInt4Method", "Nf4DoubleQuantMethod", "Nf4Method", "RtnMethod"]
 
 
 class RtnMethod(DataFreeMethod):
-    """Asymmetric min-max round-to-nearest per row group (`rtn_quantize`): Target.bits (or the
-    grid's whole code bits), Target.group_size (default 128)."""
+    """Asymmetric min-max round-to-nearest per row group (`rtn_quantize`): Precision.bits (or the
+    grid's whole code bits), Precision.group_size (default 128)."""
 
     name: ClassVar[str] = "rtn"
 
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -35,23 +35,23 @@ class RtnMethod(DataFreeMethod):
     ) -> Quantized:
         from higgs_engine.baselines import rtn_quantize
 
-        bits = target.int_bits(self.name)
-        if target.group_size is None:
+        bits = precision.int_bits(self.name)
+        if precision.group_size is None:
             w_hat, bpw = rtn_quantize(w, bits)
         else:
-            w_hat, bpw = rtn_quantize(w, bits, group_size=target.group_size)
+            w_hat, bpw = rtn_quantize(w, bits, group_size=precision.group_size)
         return Quantized(w_hat, float(bpw))
 
 
-def _four_bits(method: str, target: Target) -> None:
-    if target.bits is not None and target.bits != 4:
+def _four_bits(method: str, precision: Precision) -> None:
+    if precision.bits is not None and precision.bits != 4:
         raise InvalidConfigError(
-            f"method {method!r} is 4-bit; target bits={target.bits} is not", field="bits"
+            f"method {method!r} is 4-bit; bits={precision.bits} is not", field="bits"
         )
 
 
 class Nf4Method(DataFreeMethod):
-    """bitsandbytes' NF4 (`nf4_quantize`): absmax blocks of Target.group_size (default 64)."""
+    """bitsandbytes' NF4 (`nf4_quantize`): absmax blocks of Precision.group_size (default 64)."""
 
     name: ClassVar[str] = "nf4"
     double_quant: ClassVar[bool] = False
@@ -59,7 +59,7 @@ class Nf4Method(DataFreeMethod):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -67,12 +67,12 @@ class Nf4Method(DataFreeMethod):
     ) -> Quantized:
         from higgs_engine.baselines import nf4_quantize
 
-        _four_bits(self.name, target)
-        if target.group_size is None:
+        _four_bits(self.name, precision)
+        if precision.group_size is None:
             w_hat, bpw = nf4_quantize(w, double_quant=self.double_quant)
         else:
             w_hat, bpw = nf4_quantize(
-                w, block_size=target.group_size, double_quant=self.double_quant
+                w, block_size=precision.group_size, double_quant=self.double_quant
             )
         return Quantized(w_hat, float(bpw))
 
@@ -86,14 +86,14 @@ class Nf4DoubleQuantMethod(Nf4Method):
 
 class GptqInt4Method(CalibratedMethod):
     """Standard GPTQ with a 4-bit asymmetric min-max grid (`gptq_rtn`), groups of
-    Target.group_size columns (default 128); matrices sharing an input are swept together."""
+    Precision.group_size columns (default 128); matrices sharing an input are swept together."""
 
     name: ClassVar[str] = "gptq-int4"
 
     def quantize_many(
         self,
         ws: Sequence[torch.Tensor],
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -103,15 +103,15 @@ class GptqInt4Method(CalibratedMethod):
 
         from higgs_engine.gptq import gptq_rtn
 
-        _four_bits(self.name, target)
+        _four_bits(self.name, precision)
         h = self.need_hessian(hessian)
         if not ws:
             return []
         w = ws[0] if len(ws) == 1 else torch.cat(list(ws), 0)
-        if target.group_size is None:
+        if precision.group_size is None:
             w_hat, bits = gptq_rtn(w, h, 4)
         else:
-            w_hat, bits = gptq_rtn(w, h, 4, target.group_size)
+            w_hat, bits = gptq_rtn(w, h, 4, precision.group_size)
         out = []
         r0 = 0
         for x in ws:  # each matrix's rows of the stacked result

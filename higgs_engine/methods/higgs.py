@@ -1,30 +1,32 @@
 """HIGGS: data-free ("higgs", what every run quantizes a layer with) and calibrated
 ("higgs-gptq": GPTQ with the HIGGS grid, the layers of one input swept together). Both give the
 QuantizedMatrix the native format stores; the grid, scale group, rotation block, signs and
-scale rule come from the HiggsConfig (the grid and scale group from the Target when it names
+scale rule come from the HiggsConfig (the grid and scale group from the Precision when it names
 them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
-from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Quantized, Target
+from higgs_engine.methods.base import CalibratedMethod, DataFreeMethod, Precision, Quantized
 
 if TYPE_CHECKING:
     import torch
 
-    from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 
 __all__ = ["HiggsGptqMethod", "HiggsMethod"]
 
 
-def _grid(target: Target, config: HiggsConfig) -> tuple[int, int]:
-    return target.grid if target.grid is not None else (config.p, config.n)
-
-
-def _group_size(target: Target, config: HiggsConfig) -> int:
-    return target.group_size if target.group_size is not None else config.group_size
+def _spec(precision: Precision, config: HiggsConfig) -> MatrixSpec:
+    """The config's MatrixSpec, with the grid and scale group of `precision` when it names
+    them."""
+    spec = config.matrix_spec(precision.grid)
+    if precision.group_size is None:
+        return spec
+    return replace(spec, group_size=precision.group_size)
 
 
 class HiggsMethod(DataFreeMethod):
@@ -36,7 +38,7 @@ class HiggsMethod(DataFreeMethod):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -44,18 +46,8 @@ class HiggsMethod(DataFreeMethod):
     ) -> Quantized:
         from higgs_engine.quantize import quantize_matrix_full
 
-        cfg = self.need_config(config)
-        p, n = _grid(target, cfg)
-        q, w_hat = quantize_matrix_full(
-            w,
-            p,
-            n,
-            group_size=_group_size(target, cfg),
-            rotation_block=cfg.rotation_block,
-            sign_seed=cfg.sign_seed,
-            device=device,
-            scale_rule=cfg.scale_rule,
-        )
+        spec = _spec(precision, self.need_config(config))
+        q, w_hat = quantize_matrix_full(w, spec, device=device)
         assert w_hat is not None
         return Quantized(w_hat, float(q.bits_per_weight()), q)
 
@@ -70,7 +62,7 @@ class HiggsGptqMethod(CalibratedMethod):
     def quantize_many(
         self,
         ws: Sequence[torch.Tensor],
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -78,17 +70,6 @@ class HiggsGptqMethod(CalibratedMethod):
     ) -> list[Quantized]:
         from higgs_engine.gptq import gptq_higgs_many
 
-        cfg = self.need_config(config)
-        h = self.need_hessian(hessian)
-        p, n = _grid(target, cfg)
-        res = gptq_higgs_many(
-            list(ws),
-            h,
-            p,
-            n,
-            group_size=_group_size(target, cfg),
-            rotation_block=cfg.rotation_block,
-            sign_seed=cfg.sign_seed,
-            scale_rule=cfg.scale_rule,
-        )
+        spec = _spec(precision, self.need_config(config))
+        res = gptq_higgs_many(list(ws), self.need_hessian(hessian), spec)
         return [Quantized(w_hat, float(q.bits_per_weight()), q) for q, w_hat in res]

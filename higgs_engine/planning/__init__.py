@@ -6,6 +6,7 @@
     profile     the sensitivity profile as data: ProfileConfig, Profile, cache keys, lookup
     allocator   the exact multiple-choice knapsack over per-layer options, the option menu
     plans       targets, predicted quality, allocations and the config they give
+    stages      the stages a run reports progress in, and the unit each counts
 
 The API process imports this package (and higgs_engine.errors) and nothing else of the engine;
 tests/app/test_import_rules.py checks that no module it reaches imports torch, anywhere.

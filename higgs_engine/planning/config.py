@@ -17,7 +17,32 @@ SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
     1: tuple(2**k for k in range(1, 9)),
     2: tuple(2**k for k in range(2, 13)),
 }
-FORMATS = ("native", "dequantized")
+# Artifact formats, named here once; every other list (the FORMATS registry of writers, the
+# API's options.formats, the CLI's --format, the console's download links) derives from these.
+# A writer format is streamed tensor by tensor through its FormatWriter (higgs_engine/formats/);
+# a whole-file format is made from the 16-bit checkpoint by another tool (gguf: llama.cpp,
+# higgs_engine/gguf/). Adding a format: its name in one of the two Literals, then its module.
+WriterFormat = Literal["native", "dequantized"]
+WholeFileFormat = Literal["gguf"]
+FormatName = Literal[WriterFormat, WholeFileFormat]
+WRITER_FORMATS: tuple[str, ...] = get_args(WriterFormat)
+WHOLE_FILE_FORMATS: tuple[str, ...] = get_args(WholeFileFormat)
+FORMAT_NAMES: tuple[str, ...] = get_args(FormatName)
+# What a HiggsConfig writes when it names no formats (a choice, not a list of names).
+DEFAULT_FORMATS: tuple[WriterFormat, ...] = ("native", "dequantized")
+
+# Quantization methods a job may choose (HiggsConfig.method), named once; each is a Method of
+# higgs_engine.methods.METHODS. HIGGS methods write HIGGS codes, which the native format, the
+# allocator of a dynamic target and the worker's evaluation of the native artifact need; a
+# calibrated method needs calibration text. The other registered method, gptq-int4, is the
+# benchmarks' only: a calibrated run stores HIGGS codes (higgs_engine.pipeline).
+MethodName = Literal["higgs", "higgs-gptq", "rtn", "nf4", "nf4-dq"]
+METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
+DEFAULT_METHOD: MethodName = "higgs"
+HIGGS_METHODS: tuple[MethodName, ...] = ("higgs", "higgs-gptq")
+CALIBRATED_METHODS: tuple[MethodName, ...] = ("higgs-gptq",)
+# Methods of one bit width (NF4), and the others' rule: a whole number of code bits (RTN).
+FOUR_BIT_METHODS: tuple[MethodName, ...] = ("nf4", "nf4-dq")
 # Scale rules of higgs_engine.quantize (kept here too: this module imports no torch).
 ScaleRule = Literal["rms", "mse", "unbiased", "mse-unbiased"]
 SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
@@ -26,6 +51,32 @@ SCALE_RULES: tuple[str, ...] = get_args(ScaleRule)
 Scope = Literal["linear", "all"]
 SCOPES: tuple[str, ...] = get_args(Scope)
 DEFAULT_SCOPE: Scope = "linear"
+
+
+def check_method_job(method: str, *, calibrated: bool, dynamic: bool, gguf: bool) -> None:
+    """What a job's method needs beyond its config (HiggsConfig checks the rest): calibration
+    text for a calibrated method and none for a baseline; HIGGS grids for a dynamic target;
+    the default method for a GGUF file. InvalidConfigError naming the field "method"."""
+    if method in CALIBRATED_METHODS and not calibrated:
+        raise InvalidConfigError(
+            f"method={method!r} is calibrated: it needs calibration text", field="method"
+        )
+    if calibrated and method not in HIGGS_METHODS:
+        raise InvalidConfigError(
+            f"method={method!r} is data-free: calibration runs {list(CALIBRATED_METHODS)}",
+            field="method",
+        )
+    if dynamic and method not in HIGGS_METHODS:
+        raise InvalidConfigError(
+            f"method={method!r} has no HIGGS grids to allocate: a dynamic target needs one of "
+            f"{list(HIGGS_METHODS)} (give a bit width)",
+            field="method",
+        )
+    if gguf and method != DEFAULT_METHOD:
+        raise InvalidConfigError(
+            f"method={method!r}: a gguf file takes llama.cpp's types, not a quantization method",
+            field="method",
+        )
 
 
 def code_bits(p: int, n: int) -> float:
@@ -52,6 +103,22 @@ DEFAULT_GROUP_SIZE = 256
 DEFAULT_ROTATION_BLOCK = 1024
 DEFAULT_SIGN_SEED = 0
 DEFAULT_SCALE_RULE: ScaleRule = "mse-unbiased"
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """How one weight matrix is HIGGS-quantized: its grid (p, n) and the settings of a
+    HiggsConfig that shape its codes and scales. What the primitives take
+    (higgs_engine.quantize.quantize_matrix, higgs_engine.gptq.gptq_higgs); they check it
+    against the matrix (check_inputs), so any values may be held here."""
+
+    p: int = 2
+    n: int = 256
+    group_size: int = DEFAULT_GROUP_SIZE
+    rotation_block: int = DEFAULT_ROTATION_BLOCK
+    # None = no random signs before the rotation
+    sign_seed: int | None = DEFAULT_SIGN_SEED
+    scale_rule: str = DEFAULT_SCALE_RULE
 
 
 @dataclass(frozen=True)
@@ -84,7 +151,7 @@ class HiggsConfig:
     scale_rule: str = DEFAULT_SCALE_RULE
     # fnmatch patterns of module names to keep in 16 bits (on top of lm_head / embeddings).
     skip: tuple[str, ...] = ()
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     # Per-layer choices (dynamic HIGGS); a layer not named uses (p, n).
     overrides: tuple[LayerOverride, ...] = ()
     # dtype of the dequantized checkpoint and of non-quantized tensors in the native artifact.
@@ -93,6 +160,8 @@ class HiggsConfig:
     version: int = field(default=CONFIG_VERSION)
     # SCOPES: "all" also quantizes the token embedding (rows = tokens) and an untied head.
     scope: str = DEFAULT_SCOPE
+    # METHOD_NAMES: how each layer is quantized (higgs_engine.methods.METHODS).
+    method: str = DEFAULT_METHOD
 
     def __post_init__(self) -> None:
         check_grid(self.p, self.n)
@@ -110,10 +179,11 @@ class HiggsConfig:
             raise InvalidConfigError(
                 f"group_size={self.group_size} must be a power of two", field="group_size"
             )
-        bad = [f for f in self.formats if f not in FORMATS]
+        bad = [f for f in self.formats if f not in WRITER_FORMATS]
         if bad or not self.formats:
             raise InvalidConfigError(
-                f"formats={list(self.formats)} must be a non-empty subset of {list(FORMATS)}",
+                f"formats={list(self.formats)} must be a non-empty subset of "
+                f"{list(WRITER_FORMATS)}",
                 field="formats",
             )
         if self.scale_rule not in SCALE_RULES:
@@ -137,6 +207,40 @@ class HiggsConfig:
             raise InvalidConfigError(
                 f"scope={self.scope!r} must be one of {list(SCOPES)}", field="scope"
             )
+        self._check_method()
+
+    def _check_method(self) -> None:
+        m = self.method
+        if m not in METHOD_NAMES:
+            raise InvalidConfigError(
+                f"method={m!r} must be one of {list(METHOD_NAMES)}", field="method"
+            )
+        if m in HIGGS_METHODS:
+            return
+        if "native" in self.formats:
+            raise InvalidConfigError(
+                f"method={m!r} has no native encoding: its formats can only be "
+                f"{[f for f in WRITER_FORMATS if f != 'native']} (got {list(self.formats)})",
+                field="method",
+            )
+        bits = self.code_bits
+        if m in FOUR_BIT_METHODS and bits != 4:
+            raise InvalidConfigError(
+                f"method={m!r} is 4-bit; the grid p={self.p} n={self.n} has {bits:g} code bits",
+                field="method",
+            )
+        if not bits.is_integer():
+            raise InvalidConfigError(
+                f"method={m!r} needs a whole number of bits; the grid p={self.p} n={self.n} "
+                f"has {bits:g}",
+                field="method",
+            )
+
+    @property
+    def data_free_method(self) -> str:
+        """The method of a layer quantized without data: a calibrated method's data-free twin
+        for the layers the calibration pass does not reach, else the method itself."""
+        return DEFAULT_METHOD if self.method in CALIBRATED_METHODS else self.method
 
     @property
     def code_bits(self) -> float:
@@ -193,6 +297,13 @@ class HiggsConfig:
         _, _, pp, nn = max(cands)
         return cls(p=pp, n=nn, **kw)
 
+    def matrix_spec(self, grid: tuple[int, int] | None = None) -> MatrixSpec:
+        """The MatrixSpec of a layer quantized on `grid` (None: the config's p, n)."""
+        p, n = grid if grid is not None else (self.p, self.n)
+        return MatrixSpec(
+            p, n, self.group_size, self.rotation_block, self.sign_seed, self.scale_rule
+        )
+
     def grid_for(self, name: str) -> tuple[int, int] | None:
         """(p, n) used for layer `name`, or None when an override keeps it in 16 bits."""
         for o in self.overrides:
@@ -208,6 +319,8 @@ class HiggsConfig:
         if self.scope == DEFAULT_SCOPE:
             # a linear-only config keeps the exact shape (and artifacts, hashes) it always had
             del d["scope"]
+        if self.method == DEFAULT_METHOD:
+            del d["method"]  # likewise
         return d
 
     @classmethod
@@ -221,6 +334,6 @@ class HiggsConfig:
         d.setdefault("sign_seed", None)
         d.setdefault("scale_rule", "rms")
         d["skip"] = tuple(d.get("skip", ()))
-        d["formats"] = tuple(d.get("formats", FORMATS))
+        d["formats"] = tuple(d.get("formats", DEFAULT_FORMATS))
         d["overrides"] = tuple(LayerOverride(**o) for o in d.get("overrides", ()))
         return cls(**d)

@@ -21,15 +21,25 @@ from pathlib import Path
 from higgs_engine.errors import InvalidConfigError
 
 __all__ = [
+    "DEFAULT_SPLIT_BYTES",
+    "DEFAULT_SPLIT_GIB",
     "GGUF_ARCHITECTURES",
     "GGUF_MENU",
     "GGUF_TYPES",
+    "GIB",
     "GgufType",
     "gguf_type",
     "max_menu_bits",
     "min_menu_bits",
     "uniform_type_for_bits",
 ]
+
+# The GGUF split threshold, in one unit: GiB (2^30 bytes). The 16-bit conversion of a checkpoint
+# whose safetensors are above DEFAULT_SPLIT_GIB GiB is written as llama.cpp's split files
+# (-0000k-of-0000N.gguf, each at most that size); the quantized file keeps the same shards.
+GIB = 1024**3
+DEFAULT_SPLIT_GIB = 8
+DEFAULT_SPLIT_BYTES = DEFAULT_SPLIT_GIB * GIB
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def test_submit_get_and_enqueue(
     job = r.json()
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["status"] == "queued" and job["stage"] is None
-    assert job["progress"] == {"done": 0, "total": 0, "fraction": None}
+    assert job["progress"] == {"done": 0, "total": 0, "fraction": None, "unit": None}
     assert job["config"]["version"] == 1 and job["config"]["target"] == {"bits": 4.0}
     assert (job["config"]["engine"]["p"], job["config"]["engine"]["n"]) == (2, 256)
     assert job["request"]["options"]["formats"] == ["native", "dequantized"]
@@ -218,6 +218,50 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
         ),
         ({"model": {"id": "org/model"}}, "target"),
         ({"target": {"bits": 4}}, "model"),
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"method": "toy"}},
+            "options.method",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"method": "higgs-gptq"}},
+            "options.method",
+        ),
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"method": "rtn"}},
+            "options.method",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 4.5},
+                "options": {"method": "rtn", "formats": ["dequantized"]},
+            },
+            "options.method",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 3},
+                "options": {"method": "nf4", "formats": ["dequantized"]},
+            },
+            "options.method",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"avg_bits": 4},
+                "options": {"method": "rtn", "formats": ["dequantized"]},
+            },
+            "options.method",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"bits": 4},
+                "options": {"method": "rtn", "formats": ["gguf"]},
+            },
+            "options.method",
+        ),
     ],
 )
 def test_invalid_requests_are_422_naming_the_field(
@@ -257,6 +301,23 @@ def test_scope_reaches_the_engine_config(client: TestClient, auth: dict[str, str
     r = submit(client, auth, gguf)
     assert r.status_code == 202, r.text
     assert r.json()["config"]["gguf"] is True
+
+
+def test_method_reaches_the_engine_config(client: TestClient, auth: dict[str, str]) -> None:
+    """options.method is carried in the job's engine config; the default (omitted or given)
+    leaves the stored request and engine config as they were before the option existed."""
+    body = {**BODY, "options": {"method": "rtn", "formats": ["dequantized"]}}
+    r = submit(client, auth, body)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["config"]["engine"]["method"] == "rtn"
+    assert job["request"]["options"]["method"] == "rtn"
+    for options in ({}, {"method": "higgs"}):
+        r = submit(client, auth, {**BODY, "options": options})
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert "method" not in job["config"]["engine"]
+        assert "method" not in job["request"]["options"]
 
 
 def test_dynamic_targets_switched_off_are_a_clear_422(
@@ -440,7 +501,16 @@ def test_progress_layers_report_and_failure_views(
         "done": 3,
         "total": 12,
         "fraction": 0.25,
+        "unit": "layer",
     }
+    # each stage names what it counts (higgs_engine.planning.stages)
+    for stage, unit in (("generating", "token"), ("profiling", "window"), ("uploading", "file")):
+        with sessions() as s:
+            state.record_progress(s, jid, stage, 1, 2)
+        got = client.get(f"/v1/jobs/{jid}", headers=auth).json()
+        assert (got["stage"], got["progress"]["unit"]) == (stage, unit)
+    with sessions() as s:
+        state.record_progress(s, jid, "quantizing", 3, 12)
     report = {
         "bits_per_weight": 4.06,
         "bytes_before": 100,

@@ -3,13 +3,15 @@ including imports inside functions, plus a runtime check that the API never load
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from devtools import import_graph
+from devtools.import_graph import imported_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_LIBS = {
@@ -37,20 +39,7 @@ PLANNING_MAY_IMPORT = {"higgs_engine.errors", "higgs_engine.progress", "higgs_en
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
-            # `from higgs_engine.planning import plans` imports a submodule too.
-            found += [
-                (node.lineno, f"{node.module}.{a.name}")
-                for a in node.names
-                if top(node.module) == "higgs_engine" and module_file(f"{node.module}.{a.name}")
-            ]
-    return found
+    return imported_modules(path, ROOT)
 
 
 def module_file(module: str) -> Path | None:
@@ -63,31 +52,7 @@ def module_file(module: str) -> Path | None:
 
 
 def eager_imports(path: Path) -> list[str]:
-    """The imports a module runs when it is imported: module level, not in a function, not
-    under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found: list[str] = []
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.extend(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append(node.module)
-                found.extend(
-                    f"{node.module}.{a.name}"
-                    for a in node.names
-                    if module_file(f"{node.module}.{a.name}")
-                )
-            elif isinstance(node, ast.If):
-                if "TYPE_CHECKING" not in ast.unparse(node.test):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
-                visit(node.body)
-
-    visit(tree.body)
-    return found
+    return import_graph.eager_imports(path, ROOT)
 
 
 def engine_closure(modules: set[str]) -> set[str]:

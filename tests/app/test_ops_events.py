@@ -183,6 +183,7 @@ def test_sse_stream_follows_the_job(
     assert [d["status"] for e, d in events if e == "state"] == ["queued", "running", "succeeded"]
     done = [d["progress"]["done"] for e, d in events if e == "progress"]
     assert done and done == sorted(done) and done[-1] == 3
+    assert {d["progress"]["unit"] for e, d in events if e == "progress"} == {"layer"}
 
 
 def test_sse_ends_at_once_for_a_finished_job(client: TestClient, auth: dict[str, str]) -> None:

@@ -30,3 +30,23 @@ def test_avg_bits_profiles_into_the_cache_once(tmp_path: Path) -> None:
     again = json.loads((tmp_path / "b" / "report.json").read_text())
     assert "profiling" not in again["timings"]  # found in the cache
     assert list(cache.glob("profile-*.json")) == [cached]
+
+
+def test_split_size_is_in_gib_as_the_default_and_the_docs(tmp_path: Path) -> None:
+    """One constant, one unit: --split-max-size is GiB like DEFAULT_SPLIT_GIB, and README and
+    the CLI and API docs give the same threshold."""
+    from higgs_engine.planning.gguf_types import DEFAULT_SPLIT_BYTES, DEFAULT_SPLIT_GIB, GIB
+
+    ckpt = build_gguf_llama(tmp_path / "tiny")
+    out = tmp_path / "out"
+    args = ["--format", "gguf", "--bits", "8", "--split-max-size", "1.5", "--threads", "1"]
+    assert main(["quantize", str(ckpt), "--out", str(out), *args, "--quiet"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["config"]["split_max_bytes"] == int(1.5 * GIB)
+    assert len(rep["metrics"]["gguf_files"]) == 1  # the tiny checkpoint is far below 1.5 GiB
+    assert DEFAULT_SPLIT_BYTES == DEFAULT_SPLIT_GIB * GIB
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("README.md", "docs/cli.md", "docs/api.md"):
+        text = " ".join((root / doc).read_text().split())
+        assert f"above {DEFAULT_SPLIT_GIB} GiB of 16-bit weights" in text, doc
+        assert f"{DEFAULT_SPLIT_GIB} GB" not in text, doc

@@ -1,18 +1,10 @@
-"""The CLI's progress bars name what each stage counts."""
+"""The CLI's progress bars name what each stage counts, from the one table of units."""
 
 from __future__ import annotations
 
 import pytest
 
-from higgs_cli.common import STAGE_UNITS, StageBars
-
-
-def test_generation_and_profiling_have_their_own_units() -> None:
-    assert STAGE_UNITS["generating"] == "token"
-    assert STAGE_UNITS["profiling"] == "window"
-    assert StageBars(True).units["quantizing"] == "layer"
-    # a noise-injection profile counts layers
-    assert StageBars(True, {"profiling": "layer"}).units["profiling"] == "layer"
+from higgs_cli.common import StageBars
 
 
 def test_a_bar_per_stage_with_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,10 +26,20 @@ def test_a_bar_per_stage_with_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(tqdm, "tqdm", Bar)
     bars = StageBars(False)
-    for stage, done, total in [("generating", 0, 64), ("generating", 64, 64), ("profiling", 1, 4)]:
+    for stage, done, total in [
+        ("generating", 0, 64),
+        ("generating", 64, 64),
+        ("profiling", 1, 4),
+        ("probing", 1, 14),
+        ("quantizing", 2, 30),
+        ("measuring", 3, 40),
+    ]:
         bars(stage, done, total)
     bars.close()
     assert [(m["desc"], m["unit"], m["total"]) for m in made] == [
         ("generating", "token", 64),
         ("profiling", "window", 4),
+        ("probing", "layer", 14),
+        ("quantizing", "layer", 30),
+        ("measuring", "tensor", 40),
     ]

@@ -23,7 +23,7 @@ from higgs_engine.planning.allocator import (
     layer_bits,
     solve,
 )
-from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig
+from higgs_engine.planning.config import SUPPORTED_GRIDS, HiggsConfig, MatrixSpec
 
 # Per-coordinate MSEs close to the real grids', so instances look like real ones; the
 # allocator itself takes any non-negative numbers.
@@ -89,8 +89,7 @@ def test_layer_bits_match_the_quantizer_byte_for_byte(
 
     q = quantize_matrix(
         torch.randn(*shape, generator=torch.Generator().manual_seed(0)),
-        *grid,
-        group_size=group_size,
+        MatrixSpec(*grid, group_size=group_size),
     )
     stored = 8 * sum(t.numel() * t.element_size() for t in q.to_tensors().values())
     assert layer_bits(Option(*grid), *shape, group_size=group_size) == stored

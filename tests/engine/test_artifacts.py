@@ -16,7 +16,7 @@ from higgs_engine.artifacts import find_model_dir, load_model, load_native, save
 from higgs_engine.errors import CorruptCheckpointError, ModelNotFoundError
 from higgs_engine.modules import HiggsLinear
 from higgs_engine.pipeline import quantize_checkpoint
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix, rotated_weight
 
 KINDS = ["llama", "qwen2", "gemma2", "gpt2"]
@@ -119,7 +119,7 @@ def test_higgs_linear_matches_reference() -> None:
     w = torch.randn(40, 96, generator=g)
     b = torch.randn(40, generator=g)
     for p, n, seed in ((2, 256, None), (1, 16, 5), (2, 64, 1)):
-        q = quantize_matrix(w, p, n, group_size=64, sign_seed=seed)
+        q = quantize_matrix(w, MatrixSpec(p, n, group_size=64, sign_seed=seed))
         lin = HiggsLinear(q, b)
         assert torch.equal(lin.rotated_weight(), rotated_weight(q))
         x = torch.randn(3, 5, 96, generator=g)
@@ -130,7 +130,7 @@ def test_higgs_linear_matches_reference() -> None:
 
 
 def test_higgs_linear_keeps_its_dtypes_under_model_casts() -> None:
-    q = quantize_matrix(torch.randn(16, 64), 2, 256)
+    q = quantize_matrix(torch.randn(16, 64), MatrixSpec(2, 256))
     lin = HiggsLinear(q, torch.zeros(16))
     lin.to(torch.bfloat16)
     assert lin.scales.dtype == torch.float16 and lin.grid.dtype == torch.float32

@@ -22,7 +22,7 @@ from higgs_engine.nearest import (
     nearest_points_reference,
 )
 from higgs_engine.packing import unpack_codes
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix, quantize_matrix_full
 
 
@@ -83,8 +83,8 @@ def test_nearest_points_method_switch() -> None:
 @pytest.mark.parametrize(("p", "n", "width"), [(2, 256, 1536), (1, 16, 576), (2, 64, 640)])
 def test_quantize_with_matmul_search_matches_lookup(p: int, n: int, width: int) -> None:
     W = torch.randn(96, width, generator=torch.Generator().manual_seed(width))
-    a = quantize_matrix(W, p, n, sign_seed=1, search="lookup")
-    b = quantize_matrix(W, p, n, sign_seed=1, search="matmul", device="cpu")
+    a = quantize_matrix(W, MatrixSpec(p, n, sign_seed=1), search="lookup")
+    b = quantize_matrix(W, MatrixSpec(p, n, sign_seed=1), search="matmul", device="cpu")
     assert torch.equal(a.scales, b.scales)
     diff = int((_codes(a) != _codes(b)).sum())
     assert diff <= 2, diff  # near-ties only
@@ -92,11 +92,13 @@ def test_quantize_with_matmul_search_matches_lookup(p: int, n: int, width: int) 
 
 def test_quantize_full_dequantized_equals_dequantize_matrix() -> None:
     W = torch.randn(72, 1000, generator=torch.Generator().manual_seed(5)) * 0.02
-    q, w_hat = quantize_matrix_full(W, 2, 256, group_size=128, rotation_block=512, sign_seed=7)
+    q, w_hat = quantize_matrix_full(
+        W, MatrixSpec(2, 256, group_size=128, rotation_block=512, sign_seed=7)
+    )
     assert w_hat is not None
     assert torch.equal(w_hat, dequantize_matrix(q))
     q2, none = quantize_matrix_full(
-        W, 2, 256, group_size=128, rotation_block=512, sign_seed=7, dequantized=False
+        W, MatrixSpec(2, 256, group_size=128, rotation_block=512, sign_seed=7), dequantized=False
     )
     assert none is None and torch.equal(q2.codes, q.codes)
 
@@ -131,8 +133,8 @@ def test_pipeline_refuses_unusable_device_and_leaves_nothing(
 @cuda
 def test_quantize_matrix_on_cuda_matches_cpu() -> None:
     W = torch.randn(256, 1536, generator=torch.Generator().manual_seed(9))
-    a, ha = quantize_matrix_full(W, 2, 256, sign_seed=2)
-    b, hb = quantize_matrix_full(W.cuda(), 2, 256, sign_seed=2, device="cuda")
+    a, ha = quantize_matrix_full(W, MatrixSpec(2, 256, sign_seed=2))
+    b, hb = quantize_matrix_full(W.cuda(), MatrixSpec(2, 256, sign_seed=2), device="cuda")
     assert hb is not None and ha is not None and not hb.is_cuda
     assert torch.equal(a.scales, b.scales)
     assert int((_codes(a) != _codes(b)).sum()) <= 2
@@ -142,8 +144,10 @@ def test_quantize_matrix_on_cuda_matches_cpu() -> None:
 @cuda
 def test_table_scale_search_on_cuda_matches_cpu() -> None:
     W = torch.randn(256, 1536, generator=torch.Generator().manual_seed(9))
-    a, _ = quantize_matrix_full(W, 2, 256, sign_seed=2, scale_rule="mse-unbiased")
-    b, _ = quantize_matrix_full(W, 2, 256, sign_seed=2, scale_rule="mse-unbiased", device="cuda")
+    a, _ = quantize_matrix_full(W, MatrixSpec(2, 256, sign_seed=2, scale_rule="mse-unbiased"))
+    b, _ = quantize_matrix_full(
+        W, MatrixSpec(2, 256, sign_seed=2, scale_rule="mse-unbiased"), device="cuda"
+    )
     # the same table on both devices: the same multipliers but where atan2 / log round a
     # tuple across a bin edge differently
     assert float((a.scales == b.scales).float().mean()) >= 0.99

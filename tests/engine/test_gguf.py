@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,16 @@ from higgs_engine.gguf.plan import (
     read_gguf,
     relative_errors,
 )
-from higgs_engine.gguf.run import GgufEvalRequest, GgufRun, quantize_gguf
+from higgs_engine.gguf.run import GgufContext, run_gguf_plan
+from higgs_engine.gguf.runplan import (
+    GgufCompute,
+    GgufEvalRequest,
+    GgufGoal,
+    GgufLayout,
+    GgufPlan,
+    GgufRotation,
+    plan_gguf,
+)
 from higgs_engine.planning.allocator import allocate
 from higgs_engine.planning.gguf_types import (
     GGUF_MENU,
@@ -34,10 +44,45 @@ from higgs_engine.planning.gguf_types import (
 )
 from higgs_engine.planning.plans import Target
 from higgs_engine.planning.profile import ProfileConfig
+from higgs_engine.progress import ProgressCallback
+from higgs_engine.report import Report
+from higgs_engine.sources import resolve_source
 from tests.fixtures import TINY_TEXT, build_gguf_llama
 
 # a cheap data-free profile for the tiny models (random tokens, Fisher)
 TINY_PROFILE = ProfileConfig(method="fisher", windows=2, context=32, data_free="random")
+
+
+def tiny_plan(
+    source: Path,
+    *,
+    bits: float | None = None,
+    ftype: str | None = None,
+    target: Target | None = None,
+    rotate: str = "off",
+    split_max_bytes: int | None = None,
+    profile: ProfileConfig = TINY_PROFILE,
+    evaluate: GgufEvalRequest | None = None,
+    compute: GgufCompute | None = None,
+) -> GgufPlan:
+    """The plan of a GGUF run of `source` (resolved here) with the tiny profile."""
+    layout = (
+        GgufLayout() if split_max_bytes is None else GgufLayout(split_max_bytes=split_max_bytes)
+    )
+    goal = GgufGoal(bits, ftype, target)
+    rotation = GgufRotation(rotate)
+    return plan_gguf(resolve_source(source), goal, rotation, layout, compute, profile, evaluate)
+
+
+def quantize(
+    source: Path,
+    out: Path,
+    progress: ProgressCallback | None = None,
+    context: GgufContext | None = None,
+    **plan: Any,
+) -> Report:
+    """tiny_plan(source, **plan) run into `out`."""
+    return run_gguf_plan(tiny_plan(source, **plan), out, progress, context)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +219,7 @@ def test_encoder_evaluation_fits_windows_to_the_learned_positions(tmp_path: Path
 def test_uniform_file_runs_in_llama_cpp(
     gguf_llama: Path, gguf_llama_f32: Path, tmp_path: Path, bits: float, kind: str, bound: float
 ) -> None:
-    rep = quantize_gguf(GgufRun(gguf_llama, tmp_path / "out", bits=bits))
+    rep = quantize(gguf_llama, tmp_path / "out", bits=bits)
     files = sorted((tmp_path / "out" / "gguf").glob("*.gguf"))
     assert [p.name for p in files] == rep.metrics["gguf_files"]
     written = read_gguf(files, quantized=True)
@@ -196,7 +241,7 @@ def test_uniform_file_runs_in_llama_cpp(
 @pytest.mark.slow
 def test_fallback_types_for_narrow_rows(tmp_path: Path) -> None:
     ckpt = build_gguf_llama(tmp_path / "tiny96", hidden=96)
-    rep = quantize_gguf(GgufRun(ckpt, tmp_path / "out", bits=4))
+    rep = quantize(ckpt, tmp_path / "out", bits=4)
     # 96-value rows: no K-quant fits; llama.cpp's fallback for Q4_K is Q5_0
     assert rep.metrics["type_histogram"] == {"Q5_0": len(rep.layers)}
 
@@ -241,15 +286,13 @@ def test_avg_bits_job_end_to_end(gguf_llama: Path, tmp_path: Path) -> None:
     override per tensor -> the file holds exactly the allocated types; evaluation in llama.cpp
     gives perplexity and KL beside the prediction."""
     progress: list[tuple[str, int, int]] = []
-    rep = quantize_gguf(
-        GgufRun(
-            gguf_llama,
-            tmp_path / "out",
-            target=Target(avg_bits=4.5),
-            profile_config=TINY_PROFILE,
-            evaluate=GgufEvalRequest(TINY_TEXT * 8, "tiny", context=32, windows=4),
-            progress=lambda s, d, t: progress.append((s, d, t)),
-        )
+    rep = quantize(
+        gguf_llama,
+        tmp_path / "out",
+        target=Target(avg_bits=4.5),
+        profile=TINY_PROFILE,
+        evaluate=GgufEvalRequest(TINY_TEXT * 8, "tiny", context=32, windows=4),
+        progress=lambda s, d, t: progress.append((s, d, t)),
     )
     m = rep.metrics
     assert rep.bits_per_weight <= 4.5 + 1e-9
@@ -271,8 +314,8 @@ def test_avg_bits_job_end_to_end(gguf_llama: Path, tmp_path: Path) -> None:
 # slow: llama.cpp conversion, split and reload
 @pytest.mark.slow
 def test_split_files_load_as_one_model(gguf_llama: Path, tmp_path: Path) -> None:
-    one = quantize_gguf(GgufRun(gguf_llama, tmp_path / "one", bits=8))
-    split = quantize_gguf(GgufRun(gguf_llama, tmp_path / "split", bits=8, split_max_bytes=2**20))
+    one = quantize(gguf_llama, tmp_path / "one", bits=8)
+    split = quantize(gguf_llama, tmp_path / "split", bits=8, split_max_bytes=2**20)
     files = split.metrics["gguf_files"]
     assert len(files) >= 2 and files[0].endswith(f"-00001-of-{len(files):05d}.gguf")
     assert split.bits_per_weight == pytest.approx(one.bits_per_weight)
@@ -293,17 +336,15 @@ def test_bad_input_leaves_nothing(gguf_llama: Path, tmp_path: Path) -> None:
     cfg["architectures"] = ["FooForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="FooForCausalLM"):
-        quantize_gguf(GgufRun(bad, tmp_path / "out", bits=4))
+        quantize(bad, tmp_path / "out", bits=4)
     with pytest.raises(InfeasibleTargetError):
-        quantize_gguf(
-            GgufRun(
-                gguf_llama,
-                tmp_path / "out",
-                target=Target(avg_bits=2.0),
-                profile_config=TINY_PROFILE,
-            )
+        quantize(
+            gguf_llama,
+            tmp_path / "out",
+            target=Target(avg_bits=2.0),
+            profile=TINY_PROFILE,
         )
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["foo"]
     with pytest.raises(InvalidConfigError, match="exactly one"):
-        GgufRun(gguf_llama, tmp_path / "out", bits=4, ftype="Q4_K_M")
+        GgufGoal(bits=4, ftype="Q4_K_M")

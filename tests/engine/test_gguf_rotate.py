@@ -174,20 +174,18 @@ def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_rotate_on_pays_for_the_untied_head(tied_llama: Path, tmp_path: Path) -> None:
     from higgs_engine.gguf.plan import read_gguf
-    from higgs_engine.gguf.run import GgufEvalRequest, GgufRun, quantize_gguf
+    from higgs_engine.gguf.runplan import GgufEvalRequest
     from higgs_engine.planning.plans import Target
-    from tests.engine.test_gguf import TINY_PROFILE
+    from tests.engine.test_gguf import TINY_PROFILE, quantize
     from tests.fixtures import TINY_TEXT
 
-    rep = quantize_gguf(
-        GgufRun(
-            tied_llama,
-            tmp_path / "out",
-            target=Target(avg_bits=4.5),
-            profile_config=TINY_PROFILE,
-            rotate="on",
-            evaluate=GgufEvalRequest(TINY_TEXT * 8, "tiny", context=32, windows=2),
-        )
+    rep = quantize(
+        tied_llama,
+        tmp_path / "out",
+        target=Target(avg_bits=4.5),
+        profile=TINY_PROFILE,
+        rotate="on",
+        evaluate=GgufEvalRequest(TINY_TEXT * 8, "tiny", context=32, windows=2),
     )
     m = rep.metrics
     assert m["rotated"] and m["rotate"] == "on" and rep.config["rotate"] == "on"
@@ -204,18 +202,15 @@ def test_rotate_on_pays_for_the_untied_head(tied_llama: Path, tmp_path: Path) ->
 # slow: two profiles and allocations, rotated and not
 @pytest.mark.slow
 def test_rotate_auto_keeps_the_lower_prediction(tied_llama: Path, tmp_path: Path) -> None:
-    from higgs_engine.gguf.run import GgufRun, quantize_gguf
     from higgs_engine.planning.plans import Target
-    from tests.engine.test_gguf import TINY_PROFILE
+    from tests.engine.test_gguf import TINY_PROFILE, quantize
 
-    rep = quantize_gguf(
-        GgufRun(
-            tied_llama,
-            tmp_path / "out",
-            target=Target(avg_bits=5.0),
-            profile_config=TINY_PROFILE,
-            rotate="auto",
-        )
+    rep = quantize(
+        tied_llama,
+        tmp_path / "out",
+        target=Target(avg_bits=5.0),
+        profile=TINY_PROFILE,
+        rotate="auto",
     )
     m = rep.metrics
     r = m["rotation"]
@@ -226,33 +221,32 @@ def test_rotate_auto_keeps_the_lower_prediction(tied_llama: Path, tmp_path: Path
 
 
 def test_rotate_is_refused_or_skipped_outside_the_llama_family(tmp_path: Path) -> None:
-    from higgs_engine.gguf.run import GgufRun, quantize_gguf
+    from tests.engine.test_gguf import quantize
     from tests.fixtures import build_tiny_encoder
 
     bert = build_tiny_encoder(tmp_path / "bert")
     with pytest.raises(InvalidConfigError, match="BertModel") as e:
-        quantize_gguf(GgufRun(bert, tmp_path / "out", bits=8, rotate="on"))
+        quantize(bert, tmp_path / "out", bits=8, rotate="on")
     assert e.value.field == "rotate"
     assert not (tmp_path / "out").exists()
+    from higgs_engine.gguf.runplan import GgufRotation
+
     with pytest.raises(InvalidConfigError, match="rotate='sideways'"):
-        GgufRun(bert, tmp_path / "out", bits=8, rotate="sideways")
+        GgufRotation("sideways")
 
 
 # slow: several quantizations and llama.cpp files (a minute)
 @pytest.mark.slow
 def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_path: Path) -> None:
-    from higgs_engine.gguf.run import GgufRun, quantize_gguf
     from higgs_engine.planning.plans import Target
-    from tests.engine.test_gguf import TINY_PROFILE
+    from tests.engine.test_gguf import TINY_PROFILE, quantize
 
-    rep = quantize_gguf(
-        GgufRun(
-            tied_llama,
-            tmp_path / "ppl",
-            target=Target(max_ppl_increase=0.05),
-            profile_config=TINY_PROFILE,
-            rotate="auto",
-        )
+    rep = quantize(
+        tied_llama,
+        tmp_path / "ppl",
+        target=Target(max_ppl_increase=0.05),
+        profile=TINY_PROFILE,
+        rotate="auto",
     )
     r = rep.metrics["rotation"]
     assert rep.metrics["rotated"] == (r["tensor_bytes_rotated"] < r["tensor_bytes_plain"])
@@ -260,18 +254,16 @@ def test_rotate_auto_with_a_bound_keeps_the_smaller_file(tied_llama: Path, tmp_p
     from higgs_engine.errors import InfeasibleTargetError
 
     with pytest.raises(InfeasibleTargetError, match="smallest rotated GGUF file"):
-        quantize_gguf(
-            GgufRun(
-                tied_llama,
-                tmp_path / "small",
-                target=Target(avg_bits=2.0),
-                profile_config=TINY_PROFILE,
-                rotate="on",
-            )
+        quantize(
+            tied_llama,
+            tmp_path / "small",
+            target=Target(avg_bits=2.0),
+            profile=TINY_PROFILE,
+            rotate="on",
         )
     assert not (tmp_path / "small").exists()
     # without a planning target there is nothing to compare: auto stays unrotated
-    rep = quantize_gguf(GgufRun(tied_llama, tmp_path / "bits", bits=8, rotate="auto"))
+    rep = quantize(tied_llama, tmp_path / "bits", bits=8, rotate="auto")
     assert not rep.metrics["rotated"] and "rotation" not in rep.metrics
 
 

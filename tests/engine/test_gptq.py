@@ -21,6 +21,7 @@ from higgs_engine.gptq import (
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate
 from higgs_engine.nearest import nearest_points, nearest_searcher
+from higgs_engine.planning.config import MatrixSpec
 from higgs_engine.quantize import dequantize_matrix, quantize_matrix
 
 GRIDS = [(1, 16), (2, 256), (2, 64)]
@@ -114,15 +115,16 @@ def test_fast_path_equals_reference(
     _, w, h = problem
     kw = {"group_size": 128, "rotation_block": 256, "sign_seed": sign_seed}
     # block 32: several lazy batches, a batch boundary inside every scale group.
-    q, w_hat = gptq_higgs(w, h, p, n, **kw, block=32, dtype=torch.float64)  # type: ignore[arg-type]
-    qr, w_ref = gptq_higgs_reference(w, h, p, n, **kw)  # type: ignore[arg-type]
+    spec = MatrixSpec(p, n, **kw)  # type: ignore[arg-type]
+    q, w_hat = gptq_higgs(w, h, spec, block=32, dtype=torch.float64)
+    qr, w_ref = gptq_higgs_reference(w, h, spec)
     assert torch.equal(q.codes, qr.codes)
     assert torch.equal(q.scales, qr.scales)
     torch.testing.assert_close(w_hat, w_ref)
     # The returned W_hat is what the stored codes and scales dequantize to.
     torch.testing.assert_close(w_hat, dequantize_matrix(q), rtol=1e-5, atol=1e-5)
     # float32 (the production precision) lands on nearly the same codes.
-    q32, _ = gptq_higgs(w, h, p, n, **kw)  # type: ignore[arg-type]
+    q32, _ = gptq_higgs(w, h, spec)
     same = (q32.codes == q.codes).float().mean().item()
     assert same > 0.95
 
@@ -135,16 +137,18 @@ def test_identity_hessian_gives_data_free_higgs(p: int, n: int, rule: str) -> No
         q, w_hat = gptq_higgs(
             w,
             torch.eye(192),
-            p,
-            n,
-            64,
-            128,
-            sign_seed,
+            MatrixSpec(
+                p, n, group_size=64, rotation_block=128, sign_seed=sign_seed, scale_rule=rule
+            ),
             damp=0.0,
             dtype=torch.float64,
-            scale_rule=rule,
         )
-        ref = quantize_matrix(w, p, n, 64, 128, sign_seed, scale_rule=rule)
+        ref = quantize_matrix(
+            w,
+            MatrixSpec(
+                p, n, group_size=64, rotation_block=128, sign_seed=sign_seed, scale_rule=rule
+            ),
+        )
         assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
         assert q.meta() == ref.meta()
         torch.testing.assert_close(w_hat, dequantize_matrix(ref), rtol=1e-5, atol=1e-5)
@@ -156,13 +160,20 @@ def test_calibration_lowers_the_output_error(
 ) -> None:
     _x, w, h = problem
     x_test = _correlated(1500, 320, seed=1)[750:]  # same distribution
-    _, w_hat = gptq_higgs(w, h, p, n, group_size=128, rotation_block=256)
-    data_free = dequantize_matrix(quantize_matrix(w, p, n, 128, 256))
+    _, w_hat = gptq_higgs(w, h, MatrixSpec(p, n, group_size=128, rotation_block=256))
+    data_free = dequantize_matrix(
+        quantize_matrix(w, MatrixSpec(p, n, group_size=128, rotation_block=256))
+    )
     cal, free = output_error(x_test, w, w_hat), output_error(x_test, w, data_free)
     assert cal < 0.8 * free, (cal, free)
     # ... while bits per weight are exactly those of data-free HIGGS.
-    q, _ = gptq_higgs(w, h, p, n, group_size=128, rotation_block=256)
-    assert q.bits_per_weight() == quantize_matrix(w, p, n, 128, 256).bits_per_weight()
+    q, _ = gptq_higgs(w, h, MatrixSpec(p, n, group_size=128, rotation_block=256))
+    assert (
+        q.bits_per_weight()
+        == quantize_matrix(
+            w, MatrixSpec(p, n, group_size=128, rotation_block=256)
+        ).bits_per_weight()
+    )
 
 
 def test_stacked_matrices_equal_separate_sweeps(
@@ -170,9 +181,13 @@ def test_stacked_matrices_equal_separate_sweeps(
 ) -> None:
     _, w, h = problem
     a, b = w[:20], w[20:]
-    many = gptq_higgs_many([a, b], h, 2, 256, 128, 256, dtype=torch.float64)
+    many = gptq_higgs_many(
+        [a, b], h, MatrixSpec(2, 256, group_size=128, rotation_block=256), dtype=torch.float64
+    )
     for part, (q, w_hat) in zip([a, b], many, strict=True):
-        q1, w1 = gptq_higgs(part, h, 2, 256, 128, 256, dtype=torch.float64)
+        q1, w1 = gptq_higgs(
+            part, h, MatrixSpec(2, 256, group_size=128, rotation_block=256), dtype=torch.float64
+        )
         assert torch.equal(q.codes, q1.codes) and torch.equal(q.scales, q1.scales)
         torch.testing.assert_close(w_hat, w1)
 
@@ -197,13 +212,19 @@ def test_gptq_int4_beats_rtn_on_the_output(
 def test_bad_inputs_name_the_value() -> None:
     w = torch.randn(8, 64)
     with pytest.raises(InvalidConfigError, match=r"\(64, 64\)"):
-        gptq_higgs(w, torch.eye(32), 2, 256, 64, 64)
+        gptq_higgs(w, torch.eye(32), MatrixSpec(2, 256, group_size=64, rotation_block=64))
     with pytest.raises(InvalidConfigError, match="non-finite"):
-        gptq_higgs(w, torch.full((64, 64), float("nan")), 2, 256, 64, 64)
+        gptq_higgs(
+            w,
+            torch.full((64, 64), float("nan")),
+            MatrixSpec(2, 256, group_size=64, rotation_block=64),
+        )
     with pytest.raises(InvalidConfigError, match="damp"):
-        gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, damp=-1.0)
+        gptq_higgs(
+            w, torch.eye(64), MatrixSpec(2, 256, group_size=64, rotation_block=64), damp=-1.0
+        )
     with pytest.raises(InvalidConfigError, match="block=3"):
-        gptq_higgs(w, torch.eye(64), 2, 256, 64, 64, block=3)
+        gptq_higgs(w, torch.eye(64), MatrixSpec(2, 256, group_size=64, rotation_block=64), block=3)
     indefinite = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 32)
     with pytest.raises(InvalidConfigError, match="positive definite"):
-        gptq_higgs(w, indefinite, 2, 256, 64, 64, damp=0.0)
+        gptq_higgs(w, indefinite, MatrixSpec(2, 256, group_size=64, rotation_block=64), damp=0.0)

@@ -18,7 +18,7 @@ from higgs_engine.errors import (
     InvalidConfigError,
     ModelNotFoundError,
 )
-from higgs_engine.methods import METHODS, Target
+from higgs_engine.methods import METHODS, Precision
 from higgs_engine.model_structure import quantizable_layers
 from higgs_engine.output import OutputExistsError
 from higgs_engine.pipeline import quantize_checkpoint
@@ -106,7 +106,7 @@ def test_rel_error_is_the_dequantized_error(
 
 def test_the_run_cores_layer_method_is_reusable(llama_ckpt: Path) -> None:
     w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
-    res = METHODS["higgs"].quantize(w, Target(grid=(1, 16)), CFG)
+    res = METHODS["higgs"].quantize(w, Precision(grid=(1, 16)), CFG)
     q = res.quantized
     assert q is not None and (q.p, q.n, q.layout) == (1, 16, [64, 32])
     assert relative_error(w, res.w_hat) == pytest.approx(relative_error(w, dequantize_matrix(q)))

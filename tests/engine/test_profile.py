@@ -124,7 +124,7 @@ def test_interrupted_profile_resumes_where_it_stopped(
         calls.append((stage, done, total))
 
     done = run(record)
-    assert calls[0] == ("profiling", 5, 14)  # continued from layer 5, not from 0
+    assert calls[0] == ("probing", 5, 14)  # layers: continued from layer 5, not from 0
     assert done.complete
     assert [la.alpha for la in done.layers] == [la.alpha for la in noise_profile.layers]
     # the weights were restored after every perturbation

@@ -12,6 +12,7 @@ from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.grids import get_grid, grid_mse
 from higgs_engine.hadamard import block_layout
 from higgs_engine.nearest import build_lookup, nearest_points_brute
+from higgs_engine.planning.config import MatrixSpec
 from higgs_engine.quantize import (
     QuantizedMatrix,
     dequantize_matrix,
@@ -137,14 +138,14 @@ def test_quantize_round_trip_and_matmul(
     shape: tuple[int, int], p: int, n: int, g: int, h: int, seed: int | None
 ) -> None:
     W = _gauss(shape, seed=7) * 0.02
-    q = quantize_matrix(W, p, n, group_size=g, rotation_block=h, sign_seed=seed)
+    q = quantize_matrix(W, MatrixSpec(p, n, group_size=g, rotation_block=h, sign_seed=seed))
     assert q.layout == block_layout(shape[1], h)
     assert q.scales.dtype == torch.float16
     assert q.scales.shape == (shape[0], len(group_lengths(q.layout, g)))
     W_hat = dequantize_matrix(q)
     assert W_hat.shape == W.shape and W_hat.dtype == torch.float32
     # Deterministic.
-    q2 = quantize_matrix(W, p, n, group_size=g, rotation_block=h, sign_seed=seed)
+    q2 = quantize_matrix(W, MatrixSpec(p, n, group_size=g, rotation_block=h, sign_seed=seed))
     assert torch.equal(q.codes, q2.codes) and torch.equal(q.scales, q2.scales)
     # higgs_matmul = x @ W_hat^T
     x = _gauss((3, shape[1]), seed=1)
@@ -162,7 +163,7 @@ def test_reference_pipeline_twin() -> None:
 
     W = _gauss((16, 576), seed=3)
     p, n, gsz = 2, 256, 128
-    q = quantize_matrix(W, p, n, group_size=gsz, sign_seed=None, scale_rule="rms")
+    q = quantize_matrix(W, MatrixSpec(p, n, group_size=gsz, sign_seed=None, scale_rule="rms"))
     y = rotate_reference(W, q.layout)  # (16, 576) float64
     lens = group_lengths(q.layout, gsz)
     s = q.scales.double()
@@ -180,7 +181,7 @@ def test_reference_pipeline_twin() -> None:
 
 def test_higgs_matmul_batched_and_half() -> None:
     W = _gauss((32, 576), seed=2)
-    q = quantize_matrix(W, 2, 256, sign_seed=5)
+    q = quantize_matrix(W, MatrixSpec(2, 256, sign_seed=5))
     W_hat = dequantize_matrix(q)
     x = _gauss((6, 576), seed=9).reshape(2, 3, 576)
     y = higgs_matmul(x, q, rotated_weight(q))
@@ -194,7 +195,7 @@ def test_higgs_matmul_batched_and_half() -> None:
 def test_zero_rows_and_groups() -> None:
     W = _gauss((8, 512), seed=4)
     W[2] = 0
-    q = quantize_matrix(W, 2, 64)
+    q = quantize_matrix(W, MatrixSpec(2, 64))
     W_hat = dequantize_matrix(q)
     assert torch.all(W_hat[2] == 0)
     assert torch.all(q.scales[2] == 0)
@@ -203,30 +204,30 @@ def test_zero_rows_and_groups() -> None:
 
 def test_scale_invariance() -> None:
     W = _gauss((16, 512), seed=5)
-    a = dequantize_matrix(quantize_matrix(W, 2, 256))
-    b = dequantize_matrix(quantize_matrix(W * 1024, 2, 256))  # exact power-of-two scale
+    a = dequantize_matrix(quantize_matrix(W, MatrixSpec(2, 256)))
+    b = dequantize_matrix(quantize_matrix(W * 1024, MatrixSpec(2, 256)))  # exact power-of-two scale
     assert torch.allclose(a * 1024, b, rtol=1e-5, atol=1e-5)
 
 
 def test_input_dtypes() -> None:
     W = _gauss((8, 256), seed=6)
-    a = quantize_matrix(W.half(), 2, 256)
-    b = quantize_matrix(W.half().float(), 2, 256)
+    a = quantize_matrix(W.half(), MatrixSpec(2, 256))
+    b = quantize_matrix(W.half().float(), MatrixSpec(2, 256))
     assert torch.equal(a.codes, b.codes)
-    c = quantize_matrix(W.bfloat16(), 1, 16)
+    c = quantize_matrix(W.bfloat16(), MatrixSpec(1, 16))
     assert c.scales.dtype == torch.float16
 
 
 @pytest.mark.parametrize(("p", "n"), [(1, 16), (2, 256), (2, 512), (2, 64), (1, 8)])
 def test_bits_per_weight_exact(p: int, n: int) -> None:
     W = _gauss((16, 576), seed=1)
-    q = quantize_matrix(W, p, n, group_size=256)
+    q = quantize_matrix(W, MatrixSpec(p, n, group_size=256))
     # 576 = 512 + 64 -> groups per row: 2 of 256 + 1 of 64
     expected = (16 * 576 / p * math.log2(n) + 16 * 16 * 3) / (16 * 576)
     assert q.bits_per_weight() == pytest.approx(expected, rel=1e-12)
     assert q.nbytes() == q.codes.numel() + 2 * q.scales.numel()
     W2 = _gauss((16, 1024), seed=1)
-    q2 = quantize_matrix(W2, p, n, group_size=256)
+    q2 = quantize_matrix(W2, MatrixSpec(p, n, group_size=256))
     assert q2.bits_per_weight() == pytest.approx(math.log2(n) / p + 16 / 256, rel=1e-12)
 
 
@@ -234,7 +235,7 @@ def test_serialisation_round_trip_bit_exact(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
     W = _gauss((24, 1000), seed=8)
-    q = quantize_matrix(W, 2, 512, group_size=128, sign_seed=42)
+    q = quantize_matrix(W, MatrixSpec(2, 512, group_size=128, sign_seed=42))
     tensors = q.to_tensors()
     meta = q.meta()
     path = tmp_path / "q.safetensors"
@@ -247,7 +248,7 @@ def test_serialisation_round_trip_bit_exact(tmp_path) -> None:
 
 
 def test_from_tensors_rejects_corrupt() -> None:
-    q = quantize_matrix(_gauss((8, 256)), 2, 16)
+    q = quantize_matrix(_gauss((8, 256)), MatrixSpec(2, 16))
     t, m = q.to_tensors(), q.meta()
     with pytest.raises(CorruptCheckpointError, match="bytes"):
         QuantizedMatrix.from_tensors({"codes": t["codes"][:-1], "scales": t["scales"]}, m)
@@ -274,23 +275,23 @@ def test_from_tensors_rejects_corrupt() -> None:
 )
 def test_rejects_bad_config(kwargs: dict, match: str) -> None:
     with pytest.raises(InvalidConfigError, match=match):
-        quantize_matrix(_gauss((8, 576)), **kwargs)
+        quantize_matrix(_gauss((8, 576)), MatrixSpec(**kwargs))
 
 
 def test_rejects_bad_inputs() -> None:
     with pytest.raises(InvalidConfigError, match=r"2-D.*\(4,\)"):
-        quantize_matrix(torch.zeros(4), 2, 256)
+        quantize_matrix(torch.zeros(4), MatrixSpec(2, 256))
     with pytest.raises(InvalidConfigError, match=r"in_features=7.*p=2"):
-        quantize_matrix(torch.zeros(4, 7), 2, 256)
+        quantize_matrix(torch.zeros(4, 7), MatrixSpec(2, 256))
     W = _gauss((4, 64))
     W[1, 3] = float("nan")
     W[2, 5] = float("inf")
     with pytest.raises(InvalidConfigError, match="2 non-finite"):
-        quantize_matrix(W, 2, 256)
+        quantize_matrix(W, MatrixSpec(2, 256))
     with pytest.raises(InvalidConfigError, match="floating"):
-        quantize_matrix(torch.zeros(4, 64, dtype=torch.int32), 2, 256)
+        quantize_matrix(torch.zeros(4, 64, dtype=torch.int32), MatrixSpec(2, 256))
     with pytest.raises(InvalidConfigError, match="fp16"):
-        quantize_matrix(torch.full((2, 64), 1e6), 2, 256)
+        quantize_matrix(torch.full((2, 64), 1e6), MatrixSpec(2, 256))
 
 
 # ----------------------------------------------------------------------------- invariant
@@ -303,7 +304,7 @@ def test_relative_error_matches_grid_mse(shape: tuple[int, int], p: int, n: int,
     W = _gauss(shape, seed=11) if dist == "gauss" else _student_t(shape, float(dist[1:]), seed=11)
     # Heavy rows and columns too: the rotation and per-group scales must absorb them.
     W = W * torch.logspace(-1, 1, shape[0])[:, None]
-    q = quantize_matrix(W, p, n, sign_seed=None, scale_rule="rms")
+    q = quantize_matrix(W, MatrixSpec(p, n, sign_seed=None, scale_rule="rms"))
     t2 = relative_error(W, dequantize_matrix(q))
     assert abs(t2 / grid_mse(p, n) - 1) < 0.05, (t2, grid_mse(p, n))
 
@@ -313,7 +314,7 @@ def test_higgs_matmul_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     W = _gauss((64, 1536), seed=12).cuda()
-    q = quantize_matrix(W, 2, 256, sign_seed=3)
+    q = quantize_matrix(W, MatrixSpec(2, 256, sign_seed=3))
     x = _gauss((5, 1536), seed=13)
     ref = x @ dequantize_matrix(q).T
     w_rot = rotated_weight(q).cuda()
@@ -329,13 +330,13 @@ def test_primitive_defaults_are_the_pipelines_default_config() -> None:
     """quantize_matrix / gptq_higgs called with their defaults quantize exactly as the pipeline
     does with HiggsConfig() (the run core's METHODS["higgs"], calibrate_layers' GPTQ call)."""
     from higgs_engine.gptq import gptq_higgs
-    from higgs_engine.methods import METHODS, Target
+    from higgs_engine.methods import METHODS, Precision
     from higgs_engine.planning.config import HiggsConfig
 
     cfg = HiggsConfig()
     W = _student_t((24, 1536), 4.0, seed=21)
-    q_default = quantize_matrix(W, cfg.p, cfg.n)
-    q_pipeline = METHODS["higgs"].quantize(W, Target(grid=(cfg.p, cfg.n)), cfg).quantized
+    q_default = quantize_matrix(W, MatrixSpec(cfg.p, cfg.n))
+    q_pipeline = METHODS["higgs"].quantize(W, Precision(grid=(cfg.p, cfg.n)), cfg).quantized
     assert q_pipeline is not None
     assert (q_default.sign_seed, q_default.scale_rule) == (cfg.sign_seed, cfg.scale_rule)
     assert (q_default.group_size, q_default.layout) == (q_pipeline.group_size, q_pipeline.layout)
@@ -344,16 +345,18 @@ def test_primitive_defaults_are_the_pipelines_default_config() -> None:
 
     x = _gauss((64, 1536), seed=22)
     hessian = 2 * x.T.double() @ x.double() / x.shape[0]
-    g_default, _ = gptq_higgs(W, hessian, cfg.p, cfg.n)
+    g_default, _ = gptq_higgs(W, hessian, MatrixSpec(cfg.p, cfg.n))
     g_config, _ = gptq_higgs(
         W,
         hessian,
-        cfg.p,
-        cfg.n,
-        group_size=cfg.group_size,
-        rotation_block=cfg.rotation_block,
-        sign_seed=cfg.sign_seed,
-        scale_rule=cfg.scale_rule,
+        MatrixSpec(
+            cfg.p,
+            cfg.n,
+            group_size=cfg.group_size,
+            rotation_block=cfg.rotation_block,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        ),
     )
     assert (g_default.sign_seed, g_default.scale_rule) == (cfg.sign_seed, cfg.scale_rule)
     assert torch.equal(g_default.codes, g_config.codes)

@@ -31,15 +31,15 @@ from higgs_engine.methods import (
     METHODS,
     CalibratedMethod,
     DataFreeMethod,
+    Precision,
     Quantized,
-    Target,
     method,
 )
 from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
 from higgs_engine.parts import shard_counts
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning import config as planning_config
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import QuantizedMatrix, dequantize_matrix, quantize_matrix_full
 from higgs_engine.run_core import LayerPlan, RunContext, plan_layers, stream_tensors
 from higgs_engine.safetensors_stream import CheckpointReader, StreamingSafetensorsWriter
@@ -80,7 +80,7 @@ def _context(ckpt: Path, out: Path, config: HiggsConfig, method_name: str) -> Ru
 
 
 def test_registered_formats_are_the_names_the_config_accepts() -> None:
-    assert sorted(FORMATS) == sorted(planning_config.FORMATS)
+    assert sorted(FORMATS) == sorted(planning_config.WRITER_FORMATS)  # every name has its writer
     assert all(cls.name == name for name, cls in FORMATS.items())
     HiggsConfig(formats=tuple(FORMATS))
     with pytest.raises(InvalidConfigError, match="toy"):
@@ -90,14 +90,46 @@ def test_registered_formats_are_the_names_the_config_accepts() -> None:
     assert exc.value.field == "formats"
 
 
-def test_the_api_offers_the_registered_formats_and_gguf() -> None:
-    """The API's options.formats names (app/jobs/schemas.Format) are the registry's streaming
-    formats plus gguf (the whole-file path): a format added to one is offered by the other."""
-    from typing import get_args
+def test_every_list_of_format_names_derives_from_the_one_definition() -> None:
+    """The API's options.formats, the CLI's --format and the registry all take their names
+    from planning.config's Literals: what they offer is exactly FORMAT_NAMES."""
+    import argparse
 
-    from app.jobs.schemas import Format
+    from app.jobs.schemas import Options
+    from higgs_cli.engine_cmds import format_list
 
-    assert set(get_args(Format)) == {*FORMATS, "gguf"}
+    names = planning_config.FORMAT_NAMES
+    assert names == planning_config.WRITER_FORMATS + planning_config.WHOLE_FILE_FORMATS
+    assert set(planning_config.DEFAULT_FORMATS) <= set(planning_config.WRITER_FORMATS)
+    prop = Options.model_json_schema()["properties"]["formats"]
+    assert prop["items"]["enum"] == list(names) and prop["maxItems"] == len(names)
+    assert Options().formats == list(planning_config.DEFAULT_FORMATS)
+    assert format_list(" , ".join(names)) == ",".join(names)
+    with pytest.raises(argparse.ArgumentTypeError, match=", ".join(names)):
+        format_list("native,toy")
+
+
+def test_no_shipped_module_spells_out_a_list_of_format_names() -> None:
+    """Outside planning/config.py no tuple, list or set of the shipped packages holds two or
+    more format names: a format added there reaches every list by itself."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    names = set(planning_config.FORMAT_NAMES)
+    home = root / "higgs_engine" / "planning" / "config.py"
+    found = []
+    for pkg in ("higgs_engine", "app", "worker", "higgs_cli"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == home:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Tuple | ast.List | ast.Set):
+                    continue
+                elts = node.elts
+                hits = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
+                if len(hits) >= 2:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {hits}")
+    assert not found, found
 
 
 def test_registered_methods_are_named_by_their_keys() -> None:
@@ -139,11 +171,13 @@ def _reference(ckpt: Path, out: Path, config: HiggsConfig) -> dict[str, Any]:
             spec = pl.spec
             q, w_hat = quantize_matrix_full(
                 spec.weight(reader),
-                *pl.grid,
-                group_size=config.group_size,
-                rotation_block=config.rotation_block,
-                sign_seed=config.sign_seed,
-                scale_rule=config.scale_rule,
+                MatrixSpec(
+                    *pl.grid,
+                    group_size=config.group_size,
+                    rotation_block=config.rotation_block,
+                    sign_seed=config.sign_seed,
+                    scale_rule=config.scale_rule,
+                ),
             )
             assert w_hat is not None
             native.add(f"{spec.name}.higgs.codes", q.codes)
@@ -274,7 +308,7 @@ class SignMethod(DataFreeMethod):
     def quantize(
         self,
         w: torch.Tensor,
-        target: Target,
+        precision: Precision,
         config: HiggsConfig | None = None,
         *,
         hessian: torch.Tensor | None = None,
@@ -301,7 +335,7 @@ def test_a_registered_toy_method_runs_through_the_run_core(
         for pl in plans:
             assert pl.grid is not None
             w = pl.spec.weight(reader)
-            assert torch.equal(got[pl.spec.key], SignMethod().quantize(w, Target()).w_hat)
+            assert torch.equal(got[pl.spec.key], SignMethod().quantize(w, Precision()).w_hat)
             row = rows[pl.spec.name]
             assert row.bits == 1.0 + 16.0 / pl.spec.in_features
             assert row.bytes == math.ceil(row.bits * pl.spec.numel / 8)
@@ -336,74 +370,125 @@ def _same_q(a: QuantizedMatrix | None, b: QuantizedMatrix) -> bool:
 def test_higgs_equals_quantize_matrix_full() -> None:
     w = _w()
     cfg = HiggsConfig(p=2, n=64, group_size=64, rotation_block=128, sign_seed=3)
-    res = METHODS["higgs"].quantize(w, Target(grid=(1, 16)), cfg)
+    res = METHODS["higgs"].quantize(w, Precision(grid=(1, 16)), cfg)
     q, w_hat = quantize_matrix_full(
-        w, 1, 16, 64, 128, 3, scale_rule=cfg.scale_rule
+        w,
+        MatrixSpec(
+            1, 16, group_size=64, rotation_block=128, sign_seed=3, scale_rule=cfg.scale_rule
+        ),
     )  # the grid from the target, the rest from the config
     assert w_hat is not None
     assert _same_q(res.quantized, q) and torch.equal(res.w_hat, w_hat)
     assert res.bits == q.bits_per_weight()
-    default = METHODS["higgs"].quantize(w, Target(), cfg)  # no grid: the config's
+    default = METHODS["higgs"].quantize(w, Precision(), cfg)  # no grid: the config's
     assert default.quantized is not None and (default.quantized.p, default.quantized.n) == (2, 64)
     with pytest.raises(InvalidConfigError, match="HiggsConfig"):
-        METHODS["higgs"].quantize(w, Target())
+        METHODS["higgs"].quantize(w, Precision())
 
 
 def test_higgs_gptq_equals_gptq_higgs_many() -> None:
     ws, h = [_w(32), _w(16, seed=2)], _hessian()
     cfg = HiggsConfig(p=2, n=256, group_size=128, rotation_block=256)
-    res = METHODS["higgs-gptq"].quantize_many(ws, Target(grid=(2, 256)), cfg, hessian=h)
+    res = METHODS["higgs-gptq"].quantize_many(ws, Precision(grid=(2, 256)), cfg, hessian=h)
     ref = gptq_higgs_many(
-        ws, h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule
+        ws,
+        h,
+        MatrixSpec(
+            2,
+            256,
+            group_size=128,
+            rotation_block=256,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        ),
     )  # as calibrate_layers called it
     assert len(res) == 2
     for r, (q, w_hat) in zip(res, ref, strict=True):
         assert _same_q(r.quantized, q) and torch.equal(r.w_hat, w_hat)
-    one = METHODS["higgs-gptq"].quantize(ws[0], Target(), cfg, hessian=h)
-    q1, w1 = gptq_higgs_many(ws[:1], h, 2, 256, 128, 256, cfg.sign_seed, scale_rule=cfg.scale_rule)[
-        0
-    ]
+    one = METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg, hessian=h)
+    q1, w1 = gptq_higgs_many(
+        ws[:1],
+        h,
+        MatrixSpec(
+            2,
+            256,
+            group_size=128,
+            rotation_block=256,
+            sign_seed=cfg.sign_seed,
+            scale_rule=cfg.scale_rule,
+        ),
+    )[0]
     assert _same_q(one.quantized, q1) and torch.equal(one.w_hat, w1)
     with pytest.raises(InvalidConfigError, match="calibration"):
-        METHODS["higgs-gptq"].quantize(ws[0], Target(), cfg)
+        METHODS["higgs-gptq"].quantize(ws[0], Precision(), cfg)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_rtn_equals_rtn_quantize(bits: int) -> None:
     w = _w(16, 200)  # a short last group
-    res = METHODS["rtn"].quantize(w, Target(bits=bits, group_size=64))
+    res = METHODS["rtn"].quantize(w, Precision(bits=bits, group_size=64))
     w_hat, bpw = rtn_quantize(w, bits, 64)
     assert torch.equal(res.w_hat, w_hat) and res.bits == bpw and res.quantized is None
-    res = METHODS["rtn"].quantize(w, Target(bits=bits))
+    res = METHODS["rtn"].quantize(w, Precision(bits=bits))
     assert torch.equal(res.w_hat, rtn_quantize(w, bits)[0])
     # a grid of whole code bits gives the width: (1, 16) and (2, 256) are 4 bits
     for grid in [(1, 16), (2, 256)]:
         assert torch.equal(
-            METHODS["rtn"].quantize(w, Target(grid=grid)).w_hat, rtn_quantize(w, 4)[0]
+            METHODS["rtn"].quantize(w, Precision(grid=grid)).w_hat, rtn_quantize(w, 4)[0]
         )
     with pytest.raises(InvalidConfigError, match="integer bit width"):
-        METHODS["rtn"].quantize(w, Target(grid=(2, 32)))
+        METHODS["rtn"].quantize(w, Precision(grid=(2, 32)))
 
 
 @pytest.mark.parametrize(("name", "dq"), [("nf4", False), ("nf4-dq", True)])
 def test_nf4_equals_nf4_quantize(name: str, dq: bool) -> None:
     w = _w(24, 100)
     for block in (None, 32):
-        res = METHODS[name].quantize(w, Target(group_size=block))
+        res = METHODS[name].quantize(w, Precision(group_size=block))
         w_hat, bpw = nf4_quantize(w, block or 64, double_quant=dq)
         assert torch.equal(res.w_hat, w_hat) and res.bits == bpw
     with pytest.raises(InvalidConfigError, match="bits=3"):
-        METHODS[name].quantize(w, Target(bits=3))
+        METHODS[name].quantize(w, Precision(bits=3))
 
 
 def test_gptq_int4_equals_gptq_rtn() -> None:
     ws, h = [_w(32), _w(16, seed=2)], _hessian()
-    res = METHODS["gptq-int4"].quantize_many(ws, Target(group_size=128), hessian=h)
+    res = METHODS["gptq-int4"].quantize_many(ws, Precision(group_size=128), hessian=h)
     w_hat, bits = gptq_rtn(torch.cat(ws, 0), h, 4, 128)
     assert torch.equal(torch.cat([r.w_hat for r in res], 0), w_hat)
     assert [r.w_hat.shape[0] for r in res] == [32, 16] and {r.bits for r in res} == {bits}
-    one = METHODS["gptq-int4"].quantize(ws[0], Target(bits=4), hessian=h)
+    one = METHODS["gptq-int4"].quantize(ws[0], Precision(bits=4), hessian=h)
     assert torch.equal(one.w_hat, gptq_rtn(ws[0], h)[0])
     with pytest.raises(InvalidConfigError, match="calibration"):
-        METHODS["gptq-int4"].quantize(ws[0], Target())
+        METHODS["gptq-int4"].quantize(ws[0], Precision())
     assert isinstance(METHODS["gptq-int4"], CalibratedMethod)
+
+
+def test_the_methods_a_config_offers_are_registered_and_checked() -> None:
+    """HiggsConfig.method names a METHODS entry; what each needs (calibration, HIGGS codes)
+    agrees with the registered Method; a config refuses what its method cannot write."""
+    for name in planning_config.METHOD_NAMES:
+        m = METHODS[name]
+        assert m.native == (name in planning_config.HIGGS_METHODS), name
+        assert m.needs_calibration == (name in planning_config.CALIBRATED_METHODS), name
+    with pytest.raises(InvalidConfigError, match="'toy'") as exc:
+        HiggsConfig(method="toy")
+    assert exc.value.field == "method"
+    with pytest.raises(InvalidConfigError, match="native") as exc:
+        HiggsConfig(method="rtn")  # the default formats include native
+    assert exc.value.field == "method"
+    cfg = HiggsConfig(method="rtn", formats=("dequantized",), p=2, n=64)
+    assert HiggsConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["method"] == "rtn"
+    assert "method" not in HiggsConfig().to_dict()
+    assert HiggsConfig(method="higgs-gptq").data_free_method == "higgs"
+    for kw, needle in (
+        ({"calibrated": False, "dynamic": False, "gguf": False}, "calibration"),
+        ({"calibrated": True, "dynamic": True, "gguf": False}, None),
+    ):
+        if needle is None:
+            planning_config.check_method_job("higgs-gptq", **kw)
+            continue
+        with pytest.raises(InvalidConfigError, match=needle):
+            planning_config.check_method_job("higgs-gptq", **kw)
+    with pytest.raises(InvalidConfigError, match="dynamic target"):
+        planning_config.check_method_job("nf4", calibrated=False, dynamic=True, gguf=False)

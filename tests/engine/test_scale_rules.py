@@ -13,7 +13,7 @@ from higgs_engine.errors import InvalidConfigError
 from higgs_engine.grids import get_grid
 from higgs_engine.hadamard import block_layout, random_signs, rotate
 from higgs_engine.nearest import nearest_points_reference
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import (
     MSE_MULTIPLIERS,
     SCALE_RULES,
@@ -66,12 +66,7 @@ def test_fast_scales_match_the_reference(rule: str, p: int, n: int) -> None:
     w = _heavy(12, 320, 1)  # layout [256, 64]: a full group and a short one
     q, _ = quantize_matrix_full(
         w,
-        p,
-        n,
-        group_size=128,
-        rotation_block=256,
-        sign_seed=3,
-        scale_rule=rule,
+        MatrixSpec(p, n, group_size=128, rotation_block=256, sign_seed=3, scale_rule=rule),
         scale_search="exact",
     )
     layout = block_layout(320, 256)
@@ -101,16 +96,22 @@ def test_mse_rule_never_worse_than_rms_group_by_group() -> None:
     layout = block_layout(512, 512)
     lens = group_lengths(layout, 256)
     y = rotate(w, layout, None)
-    q_rms, _ = quantize_matrix_full(w, 2, 256, rotation_block=512, sign_seed=None, scale_rule="rms")
+    q_rms, _ = quantize_matrix_full(
+        w, MatrixSpec(2, 256, rotation_block=512, sign_seed=None, scale_rule="rms")
+    )
     e_rms = _group_err(y, rotated_weight(q_rms), lens)
     q_mse, _ = quantize_matrix_full(
-        w, 2, 256, rotation_block=512, sign_seed=None, scale_rule="mse", scale_search="exact"
+        w,
+        MatrixSpec(2, 256, rotation_block=512, sign_seed=None, scale_rule="mse"),
+        scale_search="exact",
     )
     e_mse = _group_err(y, rotated_weight(q_mse), lens)
     assert bool((e_mse <= e_rms * (1 + 1e-6)).all())
     assert float(e_mse.sum()) < float(e_rms.sum())  # and strictly better overall on these weights
     # the table search scores m = 1 approximately: within a few percent of RMS per group
-    q_tab, _ = quantize_matrix_full(w, 2, 256, rotation_block=512, sign_seed=None, scale_rule="mse")
+    q_tab, _ = quantize_matrix_full(
+        w, MatrixSpec(2, 256, rotation_block=512, sign_seed=None, scale_rule="mse")
+    )
     e_tab = _group_err(y, rotated_weight(q_tab), lens)
     assert bool((e_tab <= e_rms * 1.05).all())
     assert float(e_tab.sum()) < 0.95 * float(e_rms.sum())
@@ -147,8 +148,8 @@ def test_table_search_is_bounded_by_the_exact_search(
         "sign_seed": 1,
         "scale_rule": rule,
     }
-    q_tab, w_tab = quantize_matrix_full(w, 2, n, **kw)
-    q_ex, _ = quantize_matrix_full(w, 2, n, scale_search="exact", **kw)
+    q_tab, w_tab = quantize_matrix_full(w, MatrixSpec(2, n, **kw))
+    q_ex, _ = quantize_matrix_full(w, MatrixSpec(2, n, **kw), scale_search="exact")
     layout = block_layout(inp, block)
     lens = group_lengths(layout, group)
     y = rotate(w, layout, random_signs(inp, 1))
@@ -166,8 +167,8 @@ def test_table_search_is_bounded_by_the_exact_search(
 def test_finer_grids_keep_the_exact_search() -> None:
     # the table's bins are sized for grids up to TABLE_MAX_POINTS points
     w = _heavy(8, 256, 7)
-    q_tab, _ = quantize_matrix_full(w, 2, 1024, scale_rule="mse")
-    q_ex, _ = quantize_matrix_full(w, 2, 1024, scale_rule="mse", scale_search="exact")
+    q_tab, _ = quantize_matrix_full(w, MatrixSpec(2, 1024, scale_rule="mse"))
+    q_ex, _ = quantize_matrix_full(w, MatrixSpec(2, 1024, scale_rule="mse"), scale_search="exact")
     assert TABLE_MAX_POINTS < 1024
     assert torch.equal(q_tab.scales, q_ex.scales) and torch.equal(q_tab.codes, q_ex.codes)
 
@@ -210,14 +211,16 @@ def test_scale_table_and_search_errors_name_the_value() -> None:
     with pytest.raises(InvalidConfigError, match=r"grid of shape \(16, 1\)"):
         build_scale_table(get_grid(1, 16), MSE_MULTIPLIERS, 256)
     with pytest.raises(InvalidConfigError, match="scale_search='golden'"):
-        quantize_matrix_full(torch.ones(8, 64), 2, 256, scale_rule="mse", scale_search="golden")
+        quantize_matrix_full(
+            torch.ones(8, 64), MatrixSpec(2, 256, scale_rule="mse"), scale_search="golden"
+        )
 
 
 @pytest.mark.parametrize("rule", ["unbiased", "mse-unbiased"])
 def test_unbiased_error_is_orthogonal_to_the_weights(rule: str) -> None:
     w = _heavy(16, 512, 3)
-    _, w_rms = quantize_matrix_full(w, 2, 256, scale_rule="rms")
-    _, w_unb = quantize_matrix_full(w, 2, 256, scale_rule=rule)
+    _, w_rms = quantize_matrix_full(w, MatrixSpec(2, 256, scale_rule="rms"))
+    _, w_unb = quantize_matrix_full(w, MatrixSpec(2, 256, scale_rule=rule))
     assert w_rms is not None and w_unb is not None
 
     def shrink(w_hat: torch.Tensor) -> float:
@@ -233,7 +236,7 @@ def test_unbiased_error_is_orthogonal_to_the_weights(rule: str) -> None:
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_dequantized_equals_fused_and_meta_round_trip(rule: str) -> None:
     w = _heavy(24, 384, 4)
-    q, w_hat = quantize_matrix_full(w, 2, 256, sign_seed=11, scale_rule=rule)
+    q, w_hat = quantize_matrix_full(w, MatrixSpec(2, 256, sign_seed=11, scale_rule=rule))
     assert w_hat is not None
     assert torch.equal(dequantize_matrix(q), w_hat)
     again = QuantizedMatrix.from_tensors(q.to_tensors(), q.meta())
@@ -241,13 +244,13 @@ def test_dequantized_equals_fused_and_meta_round_trip(rule: str) -> None:
     # bits are the same whatever the rule: one fp16 scale per group
     assert (
         q.bits_per_weight()
-        == quantize_matrix_full(w, 2, 256, dequantized=False)[0].bits_per_weight()
+        == quantize_matrix_full(w, MatrixSpec(2, 256), dequantized=False)[0].bits_per_weight()
     )
 
 
 def test_old_meta_without_scale_rule_loads_as_rms() -> None:
     w = _heavy(8, 256, 5)
-    q, w_hat = quantize_matrix_full(w, 2, 256, scale_rule="rms")
+    q, w_hat = quantize_matrix_full(w, MatrixSpec(2, 256, scale_rule="rms"))
     meta = q.meta()
     del meta["scale_rule"]
     old = QuantizedMatrix.from_tensors(q.to_tensors(), meta)
@@ -270,7 +273,7 @@ def test_defaults_are_the_ablation_winners() -> None:
 
 def test_bad_scale_rule_is_named() -> None:
     with pytest.raises(InvalidConfigError, match="scale_rule='median'"):
-        quantize_matrix_full(torch.ones(8, 64), 2, 256, scale_rule="median")
+        quantize_matrix_full(torch.ones(8, 64), MatrixSpec(2, 256, scale_rule="median"))
     with pytest.raises(InvalidConfigError, match="scale_rule='median'"):
         HiggsConfig(scale_rule="median")
     with pytest.raises(InvalidConfigError, match="sign_seed=-1"):

@@ -230,3 +230,7 @@ def test_progress_counts_tokens(model_tok: tuple) -> None:
     assert calls[0] == ("generating", 0, 3 * 24) and calls[-1] == ("generating", 3 * 24, 3 * 24)
     dones = [c[1] for c in calls]
     assert dones == sorted(dones) and len(calls) > 10
+    # the slow twin counts the same unit, a batch of sequences at a time
+    calls.clear()
+    self_generated_tokens_reference(model, tok, replace(CFG, batch=2), progress=progress)
+    assert calls == [("generating", 2 * 24, 3 * 24), ("generating", 3 * 24, 3 * 24)]

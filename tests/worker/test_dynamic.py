@@ -292,7 +292,7 @@ def test_cancel_during_profiling_stops_between_layers_and_resumes_later(
         sessions,
         job_id,
         lambda: run_job(sessions, job_id, slow),
-        lambda: (j := _job(sessions, job_id)).stage == "profiling" and j.progress_done >= 2,
+        lambda: (j := _job(sessions, job_id)).stage == "probing" and j.progress_done >= 2,
         "two profiled layers",
     )
     assert outcome.status == "cancelled"
@@ -312,7 +312,7 @@ def test_cancel_during_profiling_stops_between_layers_and_resumes_later(
     real = state.record_progress
 
     def spy(session: Session, jid: str, stage: str, done: int, tot: int, **kw: Any) -> bool:
-        if stage == "profiling":
+        if stage == "probing":
             seen.append((done, tot))
         return real(session, jid, stage, done, tot, **kw)
 

@@ -1,14 +1,18 @@
-"""A gguf job's options.gguf_rotate reaches the engine's GGUF run (worker.gguf)."""
+"""A gguf job's options reach the engine's GGUF run (worker.gguf): options.gguf_rotate, and
+the worker's device and threads."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from higgs_engine.errors import InvalidConfigError
 from tests.fixtures import build_gguf_llama, build_tiny_encoder
-from worker.gguf import quantize_gguf_job
+from worker.config import RunnerConfig
+from worker.gguf import GgufJob, GgufWorker, quantize_gguf_job
 from worker.models import ModelSource
 
 
@@ -23,13 +27,10 @@ def test_rotate_reaches_the_run(tmp_path: Path) -> None:
     src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
     rep = quantize_gguf_job(
         _no_sessions,  # type: ignore[arg-type]
-        src,
-        None,
+        GgufJob(src, None, {"bits": 8.0}, rotate="on"),
+        GgufWorker(),
         tmp_path / "out",
-        {"bits": 8.0},
-        None,
         lambda *a: None,
-        rotate="on",
     )
     assert rep.metrics["rotated"] and rep.metrics["rotation"]["per_head_vo"]
 
@@ -40,11 +41,40 @@ def test_rotate_on_an_encoder_fails_naming_it(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfigError, match="BertModel"):
         quantize_gguf_job(
             _no_sessions,  # type: ignore[arg-type]
-            src,
-            None,
+            GgufJob(src, None, {"bits": 8.0}, rotate="on"),
+            GgufWorker(),
             tmp_path / "out",
-            {"bits": 8.0},
-            None,
             lambda *a: None,
-            rotate="on",
         )
+
+
+def test_the_workers_device_and_threads_reach_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runner_cfg: RunnerConfig
+) -> None:
+    """The worker's device (RunnerConfig.device) and threads are the GGUF plan's: the plan
+    the engine makes of the job, told before anything is converted."""
+    from higgs_engine import job as engine_job
+
+    planned: list[Any] = []
+    real = engine_job.gguf_plan
+
+    def watched(job: Any, progress: Any = None) -> Any:
+        planned.append(real(job, progress))
+        raise InvalidConfigError("stop after planning", field="test")
+
+    monkeypatch.setattr(engine_job, "gguf_plan", watched)
+    ckpt = build_gguf_llama(tmp_path / "tiny")
+    src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
+    worker = GgufWorker.of(replace(runner_cfg, device="cuda:1"))
+    assert (worker.device, worker.profiles) == ("cuda:1", runner_cfg.profiles)
+    with pytest.raises(InvalidConfigError, match="stop after planning"):
+        quantize_gguf_job(
+            _no_sessions,  # type: ignore[arg-type]
+            GgufJob(src, None, {"bits": 8.0}),
+            GgufWorker(device=worker.device, threads=3),
+            tmp_path / "out",
+            lambda *a: None,
+        )
+    (plan,) = planned
+    assert (plan.compute.device, plan.compute.threads) == ("cuda:1", 3)
+    assert not (tmp_path / "out").exists()

@@ -470,14 +470,11 @@ async function renderWebhooks(job) {
   }
 }
 
-// What a running stage's progress counts (docs/api.md); profiling counts layers only with the
-// noise method, which the service does not use by default.
-const STAGE_UNITS = {
-  generating: "tokens",
-  profiling: "windows",
-  quantizing: "layers",
-  measuring: "tensors",
-};
+// What a running stage's progress counts comes with it (progress.unit, docs/api.md).
+function unitText(unit, total) {
+  const u = unit || "step";
+  return total === 1 ? u : `${u}s`;
+}
 
 function renderProgress(snap) {
   const p = snap.progress || {};
@@ -496,7 +493,7 @@ function renderProgress(snap) {
   $("job-progress-text").textContent = terminal
     ? ""
     : p.total
-      ? `${p.done} of ${p.total} ${STAGE_UNITS[snap.stage] || "steps"}`
+      ? `${p.done} of ${p.total} ${unitText(p.unit, p.total)}`
       : "";
 }
 
@@ -521,11 +518,7 @@ async function renderResult(job) {
   $("job-summary").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 
   const formats = new Set((job.artifacts || []).map((a) => a.format));
-  for (const fmt of ["native", "dequantized", "gguf"]) {
-    const a = $(`dl-${fmt}`);
-    a.hidden = !formats.has(fmt);
-    if (formats.has(fmt)) refreshLink(job.id, fmt);
-  }
+  renderDownloads(job.id, [...formats]);
   $("run-it").hidden = !formats.has("gguf");
   if (formats.has("gguf")) renderRunIt(job);
   try {
@@ -578,6 +571,22 @@ async function renderRunIt(job) {
 
 // A signed link for a plain <a download>: fetched with the key, valid for a few minutes,
 // refreshed on click when it is about to expire.
+// One download link per format the job's artifacts name: the names come from the API, never
+// from a list here (only how a name is shown: llama.cpp's file format is spelled GGUF).
+const FORMAT_LABELS = { gguf: "GGUF" };
+
+function renderDownloads(jobId, formats) {
+  $("downloads").replaceChildren(
+    ...formats.map((fmt) => {
+      const a = el("a", { id: `dl-${fmt}`, class: "button", href: "#", download: "" },
+        `Download ${FORMAT_LABELS[fmt] || fmt}`);
+      a.addEventListener("click", (ev) => onDownloadClick(ev, fmt));
+      return a;
+    }),
+  );
+  for (const fmt of formats) refreshLink(jobId, fmt);
+}
+
 async function refreshLink(jobId, fmt) {
   const a = $(`dl-${fmt}`);
   a.setAttribute("aria-disabled", "true");
@@ -713,9 +722,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("preview").addEventListener("click", onPreview);
   $("job-cancel").addEventListener("click", onCancel);
   $("sign-out").addEventListener("click", () => signOut());
-  $("dl-native").addEventListener("click", (ev) => onDownloadClick(ev, "native"));
-  $("dl-dequantized").addEventListener("click", (ev) => onDownloadClick(ev, "dequantized"));
-  $("dl-gguf").addEventListener("click", (ev) => onDownloadClick(ev, "gguf"));
   window.addEventListener("hashchange", route);
   route();
 });
