@@ -18,13 +18,13 @@ from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.plans import Target
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
+from higgs_engine.sources import SourceIdentity
 from worker.dynamic import ProfileSettings, SessionFactory, job_profile_source, profile_revision
-from worker.models import ModelSource
 
 
 def quantize_gguf_job(
     sessions: SessionFactory,
-    source: ModelSource,
+    source: SourceIdentity,
     requested_revision: str | None,
     out: Path,
     target: dict[str, float],

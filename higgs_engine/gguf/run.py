@@ -439,22 +439,20 @@ def _allocate(
 
 
 def _profile(run: GgufRun) -> Profile:
-    from higgs_engine.dynamic import obtain_profile
+    from higgs_engine.dynamic import ProfileSource, obtain_profile
+    from higgs_engine.sources import resolve_model
 
     if run.profile is not None:
         return run.profile
     t0 = time.perf_counter()
-    got = obtain_profile(
-        run.source,
-        run.profile_config,
+    model = resolve_model(run.source, run.revision, run.token)
+    how = ProfileSource(
+        config=run.profile_config,
         text=run.profile_text,
-        stores=run.stores,
+        stores=tuple(run.stores),
         selfgen_cache=run.selfgen_cache,
-        revision=run.revision,
-        token=run.token,
-        progress=run.progress,
-        embeddings=True,
     )
+    got = obtain_profile(model, how, model.layer_names((), embeddings=True), run.progress)
     if got.reused is None:
         _timed(run, "profiling", t0)
     return got.profile
