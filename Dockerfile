@@ -60,7 +60,7 @@ COPY migrations ./migrations
 USER higgs
 ENV HIGGS_DATA_DIR=/data
 EXPOSE 8000
-CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools"]
+CMD ["uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0", "--port", "8000", "--loop", "uvloop", "--http", "httptools", "--no-proxy-headers"]
 
 # ---------------------------------------------------------------- worker (CUDA torch)
 FROM base AS worker

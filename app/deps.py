@@ -54,12 +54,25 @@ def bearer_token(credentials: HTTPAuthorizationCredentials | None) -> str:
     return credentials.credentials.strip()
 
 
+# Where app.front_door.AuthFirstMiddleware leaves the key it authenticated before the body
+# (request.state), so that the route's dependency neither looks it up nor counts it twice.
+AUTHENTICATED_KEY = "authenticated_key"
+
+
 async def current_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> AuthKey:
     """The caller's key (cached, see KeyCache), after its rate limit (429 when exceeded)."""
-    token = bearer_token(credentials)
+    early: AuthKey | None = getattr(request.state, AUTHENTICATED_KEY, None)
+    if early is not None:
+        return early
+    return await authenticate(request, bearer_token(credentials))
+
+
+async def authenticate(request: Request, token: str) -> AuthKey:
+    """The key of `token` (401 unknown or revoked; 429 past the client address's failed
+    authentications or the key's rate limit), remembered on request.state."""
     cache: KeyCache = request.app.state.key_cache
     key = cache.cached(token)
     if key is None:

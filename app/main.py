@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.admission import FairAdmissionMiddleware
 from app.artifacts.routes import router as artifacts_router
 from app.calibrations.routes import router as calibrations_router
 from app.db.session import (
@@ -46,7 +47,10 @@ from app.errors import (
     UnauthorizedError,
     ValidationFailedError,
 )
+from app.front_door import AuthFirstMiddleware, ForwardedForMiddleware
+from app.jobs.hub_check import HubCheckLimits, HubChecks
 from app.jobs.routes import router as jobs_router
+from app.keys.routes import router as keys_router
 from app.keys.service import KeyCache
 from app.limits import RateLimiter, StreamSlots, rate_limiter
 from app.openapi import install_openapi, operation_name
@@ -56,6 +60,7 @@ from app.ops.routes import readiness_checks
 from app.ops.routes import router as ops_router
 from app.params import NO_CONTROL_CHARS, NO_CONTROL_CHARS_MESSAGE
 from app.plans.routes import router as plans_router
+from app.proxies import TrustedProxies
 from app.settings import Settings, get_settings
 from app.ui import install as install_ui
 from app.webhooks.routes import router as webhooks_router
@@ -389,6 +394,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.auth_failures_per_s, settings.auth_failures_burst
     )
     app.state.event_streams = StreamSlots(settings.max_event_streams_per_key)
+    app.state.hub_checks = HubChecks(HubCheckLimits.of(settings))
     registry, latency = build_registry(sessions, settings)
     app.state.metrics_registry = registry
 
@@ -399,13 +405,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(plans_router)
     app.include_router(ops_router)
     app.include_router(webhooks_router)
+    app.include_router(keys_router)
     install_ui(app)
-    # Outermost last: latency sees everything, the body limit runs before routing.
+    # Outermost last: latency sees everything, the body limit runs before routing, and the
+    # fair queue sits right in front of the routes (a request waits its turn there, its body
+    # already read or read without holding a place).
+    app.add_middleware(FairAdmissionMiddleware, most=settings.api_concurrency)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
         path_limits={"/v1/calibrations": settings.calibration_max_bytes},
     )
+    # The key before the body, and the body within its deadline (app.front_door).
+    app.add_middleware(AuthFirstMiddleware, body_timeout_s=settings.body_timeout_s)
     app.add_middleware(HeadOptionsMiddleware)
     # Inside the latency histogram, which then records the 503 of a request past its deadline.
     app.add_middleware(
@@ -414,5 +426,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         retry_after_s=settings.unavailable_retry_after_s,
         warn=OutageLog(log).warn,
     )
+    # The client's address before anything uses it.
+    app.add_middleware(ForwardedForMiddleware, trusted=TrustedProxies(settings.forwarded_allow_ips))
     app.add_middleware(LatencyMiddleware, histogram=latency)
     return app

@@ -49,7 +49,15 @@ class Settings(BaseSettings):
     artifacts_redirect_ttl_s: int = Field(default=300, ge=1, le=7 * 24 * 3600)
     # With a models dir, model id "foo" names the checkpoint directory models_dir/foo.
     models_dir: Path | None = None
+    # The service's own Hub token. Jobs use it only for the API keys listed here ("*": every
+    # key; comma-separated key ids; empty: none). Otherwise a job uses its key's own token
+    # (PUT /v1/keys/me/hub-token), or none: public repositories only.
     hf_token: str | None = None
+    hf_token_keys: str = ""
+    # Encrypts the per-key Hub tokens in the database (Fernet, a key derived from this string);
+    # comma-separated: the first encrypts, every one decrypts (rotation). Unset: keys cannot
+    # store a Hub token (422).
+    hub_token_secret: str | None = None
     hf_offline: bool = False
 
     # HTTP
@@ -85,6 +93,10 @@ class Settings(BaseSettings):
     # Jobs one key may have queued or running at once (429 with Retry-After on submit); 0 = no
     # quota.
     max_active_jobs_per_key: int = Field(default=20, ge=0)
+    # Disk one key may hold: its jobs' published artifacts plus the scratch of its running
+    # attempts, in bytes (422 disk_quota_exceeded on submit at or above it; a running job that
+    # goes past it fails with disk_quota_exceeded); 0 = no quota.
+    disk_quota_bytes_per_key: int = Field(default=0, ge=0)
     # The Retry-After (s) of 503 answers while the database or broker is unreachable.
     unavailable_retry_after_s: int = Field(default=5, ge=1)
     # GET /metrics answers only `Authorization: Bearer <metrics_key>`; unset: /metrics is off.
@@ -116,6 +128,18 @@ class Settings(BaseSettings):
     # db_pool_size + db_max_overflow so that requests waiting for a connection still get a
     # thread, and time out on db_pool_timeout_s or the request deadline.
     threadpool_size: int = Field(default=40, ge=1)
+    # Requests an API process works on at once (app.admission); the others wait their turn in
+    # arrival order, round robin over API keys, holding no thread (0 = no limit: every request
+    # at once, in no particular order).
+    api_concurrency: int = Field(default=8, ge=0)
+    # A request with a body (POST, PUT, PATCH) must have sent all of it within this many seconds
+    # of its start (408 body_timeout and the connection closed otherwise); its API key is checked
+    # before any of it is read. 0 = no deadline.
+    body_timeout_s: float = Field(default=60.0, ge=0)
+    # The proxies whose X-Forwarded-For (and X-Forwarded-Proto) the API believes: addresses and
+    # networks, comma-separated, or * for any peer. Empty: none, the TCP peer is the client (the
+    # address the failed-authentication limit counts).
+    forwarded_allow_ips: str = ""
     # The avg_bits / max_ppl_increase targets (dynamic HIGGS). An operator may switch them
     # off; they are then refused with a 422, never silently run as uniform HIGGS.
     dynamic_targets: bool = True
@@ -179,6 +203,15 @@ class Settings(BaseSettings):
     # this long) to refuse an architecture llama.cpp's converter does not know at submit; 0 or
     # no answer in time leaves the check to the worker.
     hub_check_timeout_s: float = Field(default=3.0, ge=0)
+    # Those reads hold an API thread each: at most this many run at once per API process (503
+    # with Retry-After beyond), and at most hub_check_per_key of them for one key (429 beyond).
+    hub_check_concurrency: int = Field(default=4, ge=1)
+    hub_check_per_key: int = Field(default=1, ge=1)
+    # How long an architecture read from the Hub is reused, and a failed read (no answer in
+    # time, a private or missing repository) before the Hub is asked again; per (model,
+    # revision), shared by every key of the API process.
+    hub_check_cache_s: float = Field(default=3600.0, ge=0)
+    hub_check_failure_cache_s: float = Field(default=60.0, ge=0)
 
     # options.evaluate: perplexity and KL on this UTF-8 text on the worker (None: such jobs fail
     # with invalid_config before quantizing), over eval_windows windows of eval_context tokens.
@@ -211,6 +244,14 @@ class Settings(BaseSettings):
     # secret mixed into their key so that reading the database alone cannot mint one.
     link_ttl_s: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
     link_secret: str | None = None
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _check_proxies(cls, v: str) -> str:
+        from app.proxies import TrustedProxies
+
+        TrustedProxies(v)  # ValueError naming the entry that is no address
+        return v
 
     @field_validator("device")
     @classmethod

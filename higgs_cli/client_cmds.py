@@ -287,6 +287,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{k + ':':<9} {job[k]}")
     if job.get("error"):
         print(f"error:    {job['error'].get('code')}: {job['error'].get('message')}")
+        if job["error"].get("scratch_reclaimed_bytes"):
+            reclaimed = int(job["error"]["scratch_reclaimed_bytes"])
+            print(f"scratch:  {reclaimed} bytes of the stopped attempts' scratch removed")
     if job.get("summary"):
         print("summary:  " + _summary_line(job))
     for a in job.get("artifacts") or []:

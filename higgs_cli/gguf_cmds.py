@@ -73,11 +73,37 @@ def wants_gguf(args: argparse.Namespace) -> bool:
     return True
 
 
+def higgs_only_flags(args: argparse.Namespace) -> list[str]:
+    """The HIGGS-only flags of `higgs quantize` given with a value other than their default
+    (a gguf run would ignore them)."""
+    from higgs_engine.planning.config import DEFAULT_SCALE_RULE, DEFAULT_SIGN_SEED
+
+    defaults = {
+        "skip": [],
+        "dtype": "float16",
+        "group_size": 256,
+        "rotation_block": 1024,
+        "sign_seed": DEFAULT_SIGN_SEED,
+        "scale_rule": DEFAULT_SCALE_RULE,
+    }
+    return [
+        "--" + name.replace("_", "-")
+        for name, default in defaults.items()
+        if getattr(args, name, default) != default
+    ]
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.calibration is not None:
         raise CliError("--calibration is not available with --format gguf (data-free only)")
     if args.p is not None or args.n is not None:
         raise CliError("--p / --n choose HIGGS grids; --format gguf chooses llama.cpp's types")
+    higgs_only = higgs_only_flags(args)
+    if higgs_only:
+        raise CliError(
+            f"{' / '.join(higgs_only)}: HIGGS options that --format gguf does not take "
+            "(its tensors are in llama.cpp's own types); omit them"
+        )
     given = [
         x is not None
         for x in (

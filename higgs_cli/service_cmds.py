@@ -55,6 +55,9 @@ def api_command(host: str, port: int, workers: int = 1, log_level: str = "info")
         "--log-level",
         log_level,
         "--no-access-log",
+        # Forwarded headers are the app's to believe, from HIGGS_FORWARDED_ALLOW_IPS only
+        # (app.front_door); uvicorn's own default would trust them from 127.0.0.1.
+        "--no-proxy-headers",
     ]
 
 

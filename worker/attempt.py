@@ -23,6 +23,7 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.messages import message_roots, public_message
 from worker.progress import ProgressWriter
+from worker.scratch import DiskQuotaError
 
 # An attempt's records go out under the runner's logger name, wherever they are written.
 log = logging.getLogger("worker.runner")
@@ -44,6 +45,8 @@ def job_error_code(exc: BaseException) -> str:
     """The job's error code for an exception escaping the engine."""
     if isinstance(exc, HiggsError):
         return exc.code if exc.code in ENGINE_CODES else "engine_error"
+    if isinstance(exc, DiskQuotaError):
+        return exc.code
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "out_of_memory"
     if type(exc).__name__ in ("SoftTimeLimitExceeded", "TimeLimitExceeded"):

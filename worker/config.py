@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.artifacts.store import ArtifactStore, store_from_settings
+from app.keys.hub_token import HubTokens
 from app.settings import Settings
 from higgs_engine.errors import InvalidConfigError
 from worker.dynamic import ProfileSettings
@@ -23,7 +24,9 @@ class RunnerConfig:
 
     artifacts_dir: Path
     models_dir: Path | None
-    hf_token: str | None
+    # Which Hub token each job uses (its key's own, the service's where allowed, or none):
+    # worker.models.job_hub_token reads it per job.
+    hub_tokens: HubTokens
     hf_offline: bool
     device: str
     heartbeat_interval_s: float
@@ -40,6 +43,8 @@ class RunnerConfig:
     profiles: ProfileSettings | None = None
     # How long a database write is retried through an outage before the attempt is abandoned.
     db_retry_s: float = 300.0
+    # Bytes of artifacts and scratch one API key may hold (worker.scratch.DiskGuard); 0 = none.
+    disk_quota_bytes_per_key: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, device: str) -> RunnerConfig:
@@ -47,7 +52,7 @@ class RunnerConfig:
         return cls(
             artifacts_dir=settings.artifacts_path,
             models_dir=settings.models_dir,
-            hf_token=settings.hf_token,
+            hub_tokens=HubTokens.from_settings(settings),
             hf_offline=settings.hf_offline,
             device=device,
             # Several beats per timeout, so one slow write never makes a live job look dead.
@@ -59,6 +64,7 @@ class RunnerConfig:
             eval_windows=settings.eval_windows,
             profiles=ProfileSettings.from_settings(settings),
             db_retry_s=settings.worker_db_retry_s,
+            disk_quota_bytes_per_key=settings.disk_quota_bytes_per_key,
         )
 
     def profile_settings(self) -> ProfileSettings:

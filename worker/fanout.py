@@ -64,7 +64,7 @@ from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
 from worker.dynamic import annotate_uniform, profile_entry
 from worker.messages import message_roots, public_message
-from worker.models import ModelRequest, resolve_model
+from worker.models import ModelRequest, job_hub_token, resolve_model
 from worker.progress import PartProgress, ProgressWriter, heartbeating
 from worker.publish import drop_other_attempts
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
@@ -248,7 +248,7 @@ def _quantize_and_store(at: PartAttempt, claimed: part_state.PartClaim) -> float
         claimed.model_id,
         claimed.model_revision or requested,
         cfg.models_dir,
-        cfg.hf_token,
+        job_hub_token(at.sessions, at.job_id, cfg.hub_tokens),
         cfg.hf_offline,
     )
     model = resolve_model(request, shards=claimed.shards)
@@ -434,7 +434,11 @@ def _assemble_and_publish(at: Attempt, trigger: str) -> list[part_state.PartView
         writer("packaging", n + 1, len(views) + 1)
     requested = (claimed.request.get("model") or {}).get("revision")
     request = ModelRequest(
-        claimed.model_id, claimed.pinned or requested, cfg.models_dir, cfg.hf_token, cfg.hf_offline
+        claimed.model_id,
+        claimed.pinned or requested,
+        cfg.models_dir,
+        job_hub_token(at.sessions, at.job_id, cfg.hub_tokens),
+        cfg.hf_offline,
     )
     model = resolve_model(request, shards=())
 

@@ -14,15 +14,19 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from higgs_engine.errors import ModelNotFoundError, UnsupportedModelError
+from app.keys.hub_token import HubTokens, HubTokenUnreadableError
+from higgs_engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedModelError
 from higgs_engine.sources import ResolvedModel, ResolvedSource, describe_model
 
+# A Hub token, or a function that reads it when a Hub model needs it.
+HubToken = str | Callable[[], str | None] | None
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 # Files a quantization needs; never the *.bin / *.pt duplicates some repos carry as well.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
@@ -32,12 +36,12 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "to
 class ModelRequest:
     """Which model a job attempt reads and how this worker reaches it: the job's `model_id` at
     `revision` (a branch, tag or sha; None: the default branch), from models_dir or the Hub
-    with the worker's token and offline mode."""
+    with the job's Hub token (job_hub_token) and the worker's offline mode."""
 
     model_id: str
     revision: str | None
     models_dir: Path | None
-    token: str | None
+    token: HubToken
     offline: bool
 
 
@@ -73,11 +77,14 @@ def locate_model(
     revision: str | None,
     *,
     models_dir: Path | None,
-    token: str | None,
+    token: HubToken,
     offline: bool,
     shards: Sequence[str] | None = None,
 ) -> ResolvedSource:
     """Where the job's model lives on this machine, downloading Hub files into the HF cache.
+
+    `token`: the Hub token to send, or a function that gives it (asked only for a Hub model:
+    job_hub_token). None sends none: never the process's HF_TOKEN or stored login.
 
     `shards`: from the Hub, download only these safetensors files (one part of a fanned-out
     job; () = none, only config, shard index and tokenizer). None: every file.
@@ -99,7 +106,36 @@ def locate_model(
         if not (ref.path / "config.json").is_file():
             raise UnsupportedModelError(f"local model {model_id!r} has no config.json")
         return ResolvedSource(path=ref.path, id=model_id, revision=None, kind="local")
-    return _resolve_hub(model_id, revision, token=token, offline=offline, shards=shards)
+    return _resolve_hub(
+        model_id,
+        revision,
+        token=token() if callable(token) else token,
+        offline=offline,
+        shards=shards,
+    )
+
+
+def job_hub_token(
+    sessions: sessionmaker[Session], job_id: str, tokens: HubTokens
+) -> Callable[[], str | None]:
+    """The Hub token of the job's API key, read when first asked (app.keys.hub_token: its own,
+    else the service's where the operator allows it, else none). A stored token that does not
+    decrypt fails the job (invalid_config) rather than running it without."""
+    got: list[str | None] = []
+
+    def read() -> str | None:
+        if not got:
+            from app.db.models import Job
+
+            with sessions() as s:
+                key_id = s.scalar(select(Job.api_key_id).where(Job.id == job_id))
+                try:
+                    got.append(tokens.for_key(s, key_id))
+                except HubTokenUnreadableError as e:
+                    raise InvalidConfigError(str(e), field="hub_token") from e
+        return got[0]
+
+    return read
 
 
 def refuse_outside_links(model_id: str, path: Path, models_dir: Path) -> None:
@@ -139,7 +175,8 @@ def _resolve_hub(
     offline: bool,
     shards: Sequence[str] | None = None,
 ) -> ResolvedSource:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import model_info, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -148,11 +185,16 @@ def _resolve_hub(
     )
 
     try:
+        if not offline and not hf_constants.HF_HUB_OFFLINE:
+            # The Hub answers for this token first: snapshot_download would fall back on the
+            # local cache after a 401/403, serving one key what another key's token fetched.
+            model_info(repo_id, revision=revision, token=token or False)
         snap = Path(
             snapshot_download(
                 repo_id,
                 revision=revision,
-                token=token or None,
+                # False: no token at all (None would send the process's HF_TOKEN or login).
+                token=token or False,
                 allow_patterns=(
                     HUB_PATTERNS
                     if shards is None
@@ -167,11 +209,13 @@ def _resolve_hub(
         ) from exc
     except GatedRepoError as exc:
         raise ModelNotFoundError(
-            f"{repo_id!r} is gated; set HIGGS_HF_TOKEN to a token with access"
+            f"{repo_id!r} is gated: give this API key a Hub token with access "
+            "(PUT /v1/keys/me/hub-token)"
         ) from exc
     except RepositoryNotFoundError as exc:
         raise ModelNotFoundError(
-            f"model {repo_id!r} is not a Hub repository (or it is private)"
+            f"model {repo_id!r} is not a Hub repository (or it is private: give this API key "
+            "a Hub token with access, PUT /v1/keys/me/hub-token)"
         ) from exc
     except LocalEntryNotFoundError as exc:
         where = "offline mode is on" if offline else "the Hub cannot be reached"
@@ -179,7 +223,7 @@ def _resolve_hub(
             f"model {repo_id!r} (revision {revision or 'main'!r}) is not in the Hugging Face cache "
             f"and {where}"
         ) from exc
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, ValueError, the HTTP client's transport errors
         raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hub: {exc}") from exc
     # The cache keeps each snapshot under snapshots/<commit sha>/: that name is what was read.
     sha = snap.name if _SHA.match(snap.name) else revision

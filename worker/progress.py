@@ -51,6 +51,9 @@ class ProgressWriter:
         self.last: tuple[str, int, int] = ("", 0, 0)
         self._last_write = -1e18
         self._lock = threading.Lock()
+        # Called first on every progress call; raises to stop the attempt (worker.scratch's
+        # disk quota). None: nothing to check.
+        self.guard: Callable[[str, int, int], None] | None = None
 
     def write(self, stage: str, done: int, total: int) -> bool:
         def once() -> bool:
@@ -75,6 +78,8 @@ class ProgressWriter:
     def __call__(self, stage: str, done: int, total: int) -> bool:
         if self.stop.is_set():
             return False
+        if self.guard is not None:
+            self.guard(stage, done, total)
         changed = stage != self.last[0]
         self.last = (stage, done, total)
         due = self.clock() - self._last_write >= self.min_interval

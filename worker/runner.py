@@ -52,9 +52,10 @@ from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transien
 from worker.dynamic import annotate_uniform, job_menu_p, job_profile_source, profile_entry
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
-from worker.models import ModelRequest, describe_located, locate
+from worker.models import ModelRequest, describe_located, job_hub_token, locate
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
+from worker.scratch import DiskGuard, note_reclaimed, reclaim_failed
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
 from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
@@ -103,6 +104,8 @@ def run_job(
     )
     clear_stale_staging(cfg.artifacts_dir, job_id)
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
+    if cfg.disk_quota_bytes_per_key > 0:
+        writer.guard = DiskGuard(sessions, job_id, staging, cfg.disk_quota_bytes_per_key)
     try:
         # Before hours of work: the store must be there, and what earlier attempts of this
         # job left in it goes (a local folder: nothing to do before the attempt).
@@ -137,7 +140,10 @@ def run_job(
         if is_storage_full(exc):
             remove_tree(staging)
             return wait_for_storage(sessions, job_id, worker_id, cfg, exc)
-        return fail_job(sessions, job_id, worker_id, cfg, exc)
+        reclaimed = reclaim_failed(staging, writer.guard)
+        outcome = fail_job(sessions, job_id, worker_id, cfg, exc)
+        note_reclaimed(sessions, job_id, reclaimed, cfg.db_retry_s)
+        return outcome
     finally:
         remove_tree(staging)
         remove_empty_job_dir(cfg.artifacts_dir, job_id)
@@ -180,7 +186,11 @@ def _request(attempt: Attempt) -> ModelRequest:
     cfg, claimed = attempt.cfg, attempt.claimed
     requested = (claimed.request.get("model") or {}).get("revision")
     return ModelRequest(
-        claimed.model_id, claimed.pinned or requested, cfg.models_dir, cfg.hf_token, cfg.hf_offline
+        claimed.model_id,
+        claimed.pinned or requested,
+        cfg.models_dir,
+        job_hub_token(attempt.sessions, attempt.job_id, cfg.hub_tokens),
+        cfg.hf_offline,
     )
 
 

@@ -14,6 +14,8 @@
    (error storage_unavailable) are sent again once it answers.
 5. Calibration uploads older than settings.calibration_retention_days that no queued or
    running job uses are deleted (app.calibrations.service.delete_expired).
+6. Scratch that attempts no longer running left under the staging folder is removed, and
+   what it held is added to each job's scratch_reclaimed_bytes (worker.scratch).
 
 Every step is a compare-and-set in app.jobs.state, so several workers may sweep at once.
 
@@ -39,6 +41,7 @@ from app.jobs import state
 from app.settings import Settings
 from worker.messages import volume_free
 from worker.periodic import PeriodicThread
+from worker.scratch import sweep_scratch
 
 log = logging.getLogger("worker.sweep")
 
@@ -59,6 +62,8 @@ class SweepResult:
     storage: list[str] = field(default_factory=list)
     # Calibration uploads deleted past their retention (step 5).
     calibrations: list[str] = field(default_factory=list)
+    # Scratch folders of stopped attempts removed (step 6).
+    scratch: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, list[str]]:
         return {
@@ -70,6 +75,7 @@ class SweepResult:
             "resent": self.resent,
             "storage": self.storage,
             "calibrations": self.calibrations,
+            "scratch": self.scratch,
         }
 
 
@@ -124,6 +130,8 @@ def sweep(
             out.calibrations = delete_expired(
                 s, now - timedelta(days=settings.calibration_retention_days)
             )
+    # After step 1: an attempt it just gave up on is no longer running, so its scratch goes.
+    out.scratch = sweep_scratch(sessions, settings.artifacts_path).folders
     if (
         out.requeued
         or out.failed
@@ -131,6 +139,7 @@ def sweep(
         or out.sent
         or out.send_failed
         or out.calibrations
+        or out.scratch
     ):
         log.info("sweep: %s", out.as_dict())
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -20,12 +21,15 @@ from typing import IO, Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
+from starlette.requests import ClientDisconnect
 
 from app.db.base import utcnow
 from app.db.models import QUEUED, RUNNING, Calibration, Job
 from app.errors import AppError, NotFoundError, PayloadTooLargeError, ValidationFailedError
 from app.keys.service import AuthKey, lock_key
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 FIELD = "calibration"  # the request body
 # The engine's default (higgs_engine.calibration.DEFAULT_CALIBRATION_TOKENS; the app does not
@@ -50,6 +54,12 @@ def check_text(body: bytes) -> str:
 
 class CalibrationNotFound(NotFoundError):
     code = "calibration_not_found"
+
+
+class UploadAbortedError(AppError):
+    """The client left before its upload was complete (its answer goes nowhere)."""
+
+    status, code, title = 400, "upload_aborted", "Upload aborted"
 
 
 class CalibrationQuotaError(AppError):
@@ -95,6 +105,13 @@ async def receive(chunks: AsyncIterator[bytes], max_bytes: int) -> Upload:
                 )
             digest.update(chunk)
             spool.write(chunk)
+    except ClientDisconnect:
+        spool.close()
+        # Expected (a client gave up or lost its link): one line, nothing stored, no traceback.
+        log.warning("calibration upload aborted by the client after %d bytes", size)
+        raise UploadAbortedError(
+            f"{FIELD}: the client closed the connection after {size} bytes; nothing was stored"
+        ) from None
     except BaseException:
         spool.close()
         raise

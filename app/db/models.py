@@ -46,6 +46,10 @@ class ApiKey(Base):
     # The HMAC-SHA256 key that signs this key's webhook events (app.webhooks). It must be
     # readable to sign, so it is stored as is; keys made before webhooks get one when first asked.
     webhook_secret: Mapped[str | None] = mapped_column(String(64), default=None)
+    # The key's own Hugging Face Hub token (PUT /v1/keys/me/hub-token), encrypted with the
+    # service's HIGGS_HUB_TOKEN_SECRET (app.keys.hub_token); no endpoint ever returns it.
+    hub_token: Mapped[str | None] = mapped_column(Text, default=None)
+    hub_token_set_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Job(Base):
@@ -85,6 +89,12 @@ class Job(Base):
     # A job back in the queue after its worker found the storage full (error_code storage_full):
     # free bytes on the artifacts volume then. The sweep sends it again once there is more.
     wait_free_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # The running attempt's scratch (its staging folder) as the worker last measured it:
+    # counted with the key's artifacts in its disk quota (app.jobs.disk).
+    scratch_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # Scratch of this job's attempts removed after they stopped (the sweep, or the runner
+    # after a failure), in bytes: shown in a failed job's error.
+    scratch_reclaimed_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     summary: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     report: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # Seconds per stage of the last attempt, e.g. {"quantizing": 12.3}.

@@ -3,20 +3,20 @@ so that a format the model cannot have (gguf for an architecture llama.cpp's con
 know) is a 422 when the job is asked for, not a failed job later.
 
 The file comes from the Hub endpoint huggingface_hub uses (HF_ENDPOINT, default
-https://huggingface.co) with the token it would send (HF_TOKEN or the stored login), read
-here without importing it. The
+https://huggingface.co), read here without importing it, with the token the job itself will
+use (app.keys.hub_token: the key's own, or the service's where the operator allows it; never
+the process's HF_TOKEN or stored login). The
 whole fetch is bounded by `timeout_s` of wall time and 1 MiB; anything that goes wrong (no
 network, a private or gated repository, a missing file, a slow answer, bad JSON) answers None:
-the architecture is then unknown here and the worker checks it before any work. Answers are
-kept for an hour per (model, revision), failures for a minute (a Hub that does not answer
-costs one timeout a minute, not one per submit).
+the architecture is then unknown here and the worker checks it before any work. Nothing is
+cached here: app.jobs.hub_check bounds how many of these reads run at once and keeps their
+answers and failures, per token.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from urllib.parse import quote
 
@@ -25,11 +25,6 @@ import httpx
 __all__ = ["MAX_CONFIG_BYTES", "hub_architecture"]
 
 MAX_CONFIG_BYTES = 1024 * 1024
-_TTL_S = 3600.0
-_FAILED_TTL_S = 60.0  # an unreadable config is asked for again after this long
-_MAX_ENTRIES = 4096
-_cache: dict[tuple[str, str], tuple[float, str | None]] = {}
-_lock = threading.Lock()
 
 
 def hub_endpoint() -> str:
@@ -38,28 +33,12 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
-def hub_token() -> str | None:
-    """The token huggingface_hub would send: HF_TOKEN, else the stored login."""
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token:
-        return token.strip()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
-    )
-    try:
-        with open(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")) as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
-
-
 def _config_url(model_id: str, revision: str) -> str:
     return f"{hub_endpoint().rstrip('/')}/{model_id}/resolve/{quote(revision, safe='')}/config.json"
 
 
-def _fetch(url: str, timeout_s: float) -> bytes | None:
+def _fetch(url: str, timeout_s: float, token: str | None) -> bytes | None:
     headers = {"User-Agent": "higgs-service (architecture check)"}
-    token = hub_token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
     deadline = time.monotonic() + timeout_s
@@ -77,28 +56,21 @@ def _fetch(url: str, timeout_s: float) -> bytes | None:
     return bytes(body)
 
 
-def hub_architecture(model_id: str, revision: str | None, timeout_s: float) -> str | None:
+def hub_architecture(
+    model_id: str, revision: str | None, timeout_s: float, token: str | None = None
+) -> str | None:
     """The first `architectures` entry of the Hub model's config.json at `revision` (default
-    main), or None when it cannot be read within `timeout_s` (0: never asked)."""
+    main), read with `token` (None: anonymously), or None when it cannot be read within
+    `timeout_s` (0: never asked). Blocking: it holds its thread until the Hub answers or the
+    time is up."""
     if timeout_s <= 0:
         return None
-    key = (model_id, revision or "main")
-    now = time.monotonic()
-    with _lock:
-        hit = _cache.get(key)
-    if hit is not None and now - hit[0] < (_TTL_S if hit[1] is not None else _FAILED_TTL_S):
-        return hit[1]
-    arch = None
     try:
-        raw = _fetch(_config_url(*key), timeout_s)
+        raw = _fetch(_config_url(model_id, revision or "main"), timeout_s, token)
         cfg = json.loads(raw) if raw is not None else None
     except (httpx.HTTPError, ValueError, OSError):
         cfg = None
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
     if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        arch = archs[0][:128]
-    with _lock:
-        if len(_cache) >= _MAX_ENTRIES:
-            _cache.clear()
-        _cache[key] = (now, arch)
-    return arch
+        return archs[0][:128]
+    return None

@@ -76,6 +76,7 @@ class JobRecord:
     started_at: datetime | None
     finished_at: datetime | None
     updated_at: datetime
+    scratch_reclaimed_bytes: int | None = None
     # Only a succeeded job's artifacts are read (the view shows no others).
     artifacts: tuple[ArtifactRecord, ...] = ()
 

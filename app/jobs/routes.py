@@ -20,8 +20,10 @@ from app.db.models import TERMINAL, Job
 from app.deps import CurrentKey, ReadsDep, SessionsDep, SettingsDep
 from app.errors import UnauthorizedError
 from app.jobs import repository, service, state
+from app.jobs.hub_check import HubChecks
 from app.jobs.local_models import Registry, stale_after_s
 from app.jobs.schemas import JobCreate, JobOut, JobPage, LayerOut, LayersOut, Status
+from app.keys.hub_token import HubTokens, HubTokenUnreadableError
 from app.keys.service import KeyCache
 from app.limits import StreamSlots
 from app.openapi import AUTHENTICATED, problems
@@ -55,10 +57,13 @@ def json_model(
     summary="Submit a quantization job",
     description="202 with the job (also when an Idempotency-Key replays an earlier submit: "
     "then with `Idempotent-Replayed: true`); 429 when the key's rate limit or its quota of "
-    "queued and running jobs is exceeded.",
+    "queued and running jobs is exceeded, or when it already has HIGGS_HUB_CHECK_PER_KEY Hub "
+    "config checks running; 503 when the API process has HIGGS_HUB_CHECK_CONCURRENCY running "
+    "(both with Retry-After).",
 )
 def submit_job(
     body: JobCreate,
+    request: Request,
     sessions: SessionsDep,
     settings: SettingsDep,
     key: CurrentKey,
@@ -71,16 +76,32 @@ def submit_job(
         ),
     ] = None,
 ) -> Response:
+    # The rate limit (CurrentKey) and the job quota before anything costly (a Hub read).
+    idempotency = service.check_idempotency_key(idempotency_key)
+    with sessions() as session:
+        service.check_quota_first(session, key, idempotency, settings.max_active_jobs_per_key)
     registry = Registry(sessions, stale_after_s(settings))
-    spec = service.validate_request(body, settings, registry)
+
+    def hub_token() -> str | None:
+        with sessions() as session:
+            try:
+                return HubTokens.from_settings(settings).for_key(session, key.id)
+            except HubTokenUnreadableError:
+                return None  # the worker says so, failing the job
+
+    hub: HubChecks = request.app.state.hub_checks
+    spec = service.validate_request(
+        body, settings, registry, lambda model, rev: hub.architecture(key.id, model, rev, hub_token)
+    )
     with sessions() as session:
         spec = service.with_calibration(session, key, body, spec)
         job, created = service.create_job(
             session,
             key,
             spec,
-            service.check_idempotency_key(idempotency_key),
+            idempotency,
             max_active=settings.max_active_jobs_per_key,
+            disk_quota=settings.disk_quota_bytes_per_key,
         )
     headers = {"Location": service.job_url(job.id)}
     if created:

@@ -269,6 +269,11 @@ class Progress(BaseModel):
 class JobError(BaseModel):
     code: str
     message: str
+    scratch_reclaimed_bytes: int | None = Field(
+        default=None,
+        description="bytes of scratch (unpublished files) of the job's stopped attempts that "
+        "the worker removed; null when none was left",
+    )
 
 
 class ArtifactRef(BaseModel):

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +27,7 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.jobs import repository, state
+from app.jobs.disk import check_disk_quota
 from app.jobs.job_config import JobConfig
 from app.jobs.local_models import read_architecture
 from app.jobs.model_ref import LocalNames, ModelRefError, ModelSource, resolve_model
@@ -40,6 +42,8 @@ from higgs_engine.planning.config import CONFIG_VERSION, SUPPORTED_GRIDS, HiggsC
 
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 _DYNAMIC = DYNAMIC_TARGETS
+# hub(model_id, revision) -> the Hub model's architecture, None when unknown
+HubLookup = Callable[[str, str | None], str | None]
 
 
 class ReportNotReadyError(ConflictError):
@@ -72,10 +76,15 @@ def config_error_field(error: InvalidConfigError, target_kind: str) -> str:
 
 
 def validate_request(
-    req: JobCreate, settings: Settings, registry: LocalNames | None = None
+    req: JobCreate,
+    settings: Settings,
+    registry: LocalNames | None = None,
+    hub: HubLookup | None = None,
 ) -> JobSpec:
     """Everything checkable before a job exists; ValidationFailedError (422) naming the field.
-    `registry`: the local models the workers registered (the API needs no models folder)."""
+    `registry`: the local models the workers registered (the API needs no models folder);
+    `hub`: how a Hub model's architecture is read (app.jobs.hub_check, bounded and cached;
+    None: not at submit, the worker checks it)."""
     try:
         ref = resolve_model(req.model.id, req.model.revision, settings.models_dir, registry)
     except ModelRefError as e:
@@ -92,7 +101,7 @@ def validate_request(
         )
     gguf = "gguf" in opts.formats
     if gguf:
-        check_gguf_request(req, ref, registry, settings.hub_check_timeout_s)
+        check_gguf_request(req, ref, registry, hub)
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
@@ -174,15 +183,49 @@ def validate_request(
     )
 
 
+# Options of HIGGS artifacts only: a gguf job given any of them is refused, naming each, rather
+# than run with the option silently ignored.
+HIGGS_ONLY_OPTIONS = (
+    "p",
+    "n",
+    "group_size",
+    "rotation_block",
+    "skip",
+    "dtype",
+    "sign_seed",
+    "scale_rule",
+    "seed",
+)
+
+
 def check_gguf_request(
-    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub_timeout_s: float = 0.0
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
 ) -> None:
-    """What a GGUF job can be asked for: the format alone, data-free, a target at or above the
-    cheapest llama.cpp type, and an architecture llama.cpp's converter knows (a local model's as
-    the workers registered it, a Hub model's from its config.json within `hub_timeout_s`)."""
-    from higgs_engine.planning.gguf_types import GGUF_ARCHITECTURES, min_menu_bits
+    """What a GGUF job can be asked for: the format alone, no HIGGS option, data-free, a
+    target within llama.cpp's types, and an architecture llama.cpp's converter knows (a local
+    model's as the workers registered it, a Hub model's from its config.json through `hub`,
+    read with the job's own Hub token)."""
+    from higgs_engine.planning.gguf_types import (
+        GGUF_ARCHITECTURES,
+        max_menu_bits,
+        min_menu_bits,
+    )
 
     opts = req.options
+    higgs_only = [name for name in HIGGS_ONLY_OPTIONS if name in opts.model_fields_set]
+    if higgs_only:
+        names = ", ".join(f"options.{name}" for name in higgs_only)
+        raise ValidationFailedError(
+            f"{names}: HIGGS options that a gguf file does not take (its tensors are in "
+            "llama.cpp's own types, chosen for the target); omit them",
+            errors=[
+                {
+                    "field": f"options.{name}",
+                    "message": f"options.{name} is a HIGGS option; a gguf job does not take it",
+                }
+                for name in higgs_only
+            ],
+        )
     if "scope" in opts.model_fields_set and opts.scope != "all":
         raise ValidationFailedError.field(
             "options.scope",
@@ -205,6 +248,12 @@ def check_gguf_request(
             "target.bits",
             f"target.bits={value:g} is below the smallest GGUF type (Q2_K, 2 code bits)",
         )
+    if kind in ("bits", "avg_bits") and value > max_menu_bits():
+        raise ValidationFailedError.field(
+            f"target.{kind}",
+            f"target.{kind}={value:g} is above the widest GGUF type "
+            f"(F16, {max_menu_bits():g} bits per weight)",
+        )
     if kind == "avg_bits" and value < min_menu_bits():
         raise ValidationFailedError.field(
             "target.avg_bits",
@@ -220,10 +269,8 @@ def check_gguf_request(
             arch = read_architecture(ref.path)
         elif registry is not None:
             arch = registry.architecture(req.model.id)
-    elif ref.kind == "hub":
-        from app.jobs.hub_config import hub_architecture
-
-        arch = hub_architecture(req.model.id, req.model.revision, hub_timeout_s)
+    elif ref.kind == "hub" and hub is not None:
+        arch = hub(req.model.id, req.model.revision)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
@@ -279,6 +326,32 @@ def _replay(job: Job, spec: JobSpec) -> Job:
 QUOTA_RETRY_AFTER_S = 30
 
 
+def _check_active(session: Session, key: AuthKey, max_active: int) -> None:
+    active = repository.count_active(session, key.id)
+    if active >= max_active:
+        raise QuotaExceededError(
+            f"this API key has {active} jobs queued or running, the most allowed at once "
+            f"({max_active}); submit again when one has finished",
+            retry_after=QUOTA_RETRY_AFTER_S,
+        )
+
+
+def check_quota_first(
+    session: Session, key: AuthKey, idempotency_key: str | None, max_active: int
+) -> None:
+    """The job quota before anything costly is checked (a Hub model's config read): 429 when
+    the key already has `max_active` jobs queued or running, unless the request replays an
+    existing job by its Idempotency-Key (never refused). create_job counts again, under the
+    key's lock, before its insert: this early count only spares the work of a refused submit."""
+    if max_active <= 0:
+        return
+    if idempotency_key is not None and repository.by_idempotency_key(
+        session, key.id, idempotency_key
+    ):
+        return
+    _check_active(session, key, max_active)
+
+
 def create_job(
     session: Session,
     key: AuthKey,
@@ -286,25 +359,22 @@ def create_job(
     idempotency_key: str | None,
     *,
     max_active: int = 0,
+    disk_quota: int = 0,
 ) -> tuple[Job, bool]:
     """Insert the job (status queued) and commit. Returns (job, created). With an
     Idempotency-Key, concurrent identical requests all get the one job: the unique constraint
     (api_key_id, idempotency_key) decides the race, the losers read the winner's row.
     max_active > 0: QuotaExceededError (429) when the key already has that many jobs queued
-    or running (a replay of an existing job is never refused)."""
+    or running (a replay of an existing job is never refused). disk_quota > 0:
+    DiskQuotaExceededError (422) when the key holds that many bytes of artifacts and scratch."""
     if idempotency_key is not None:
         existing = repository.by_idempotency_key(session, key.id, idempotency_key)
         if existing is not None:
             return _replay(existing, spec), False
     if max_active > 0:
         lock_key(session, key.id)  # the count and the insert below, one key at a time
-        active = repository.count_active(session, key.id)
-        if active >= max_active:
-            raise QuotaExceededError(
-                f"this API key has {active} jobs queued or running, the most allowed at once "
-                f"({max_active}); submit again when one has finished",
-                retry_after=QUOTA_RETRY_AFTER_S,
-            )
+        _check_active(session, key, max_active)
+    check_disk_quota(session, key.id, disk_quota)
     now = utcnow()
     job = Job(
         id=str(uuid.uuid4()),
@@ -444,7 +514,11 @@ def job_view(job: Job | repository.JobRecord) -> JobOut:
             "updated_at": job.updated_at,
             "request": request,
             "config": job.config,
-            "error": {"code": job.error_code, "message": job.error_message or ""}
+            "error": {
+                "code": job.error_code,
+                "message": job.error_message or "",
+                "scratch_reclaimed_bytes": job.scratch_reclaimed_bytes,
+            }
             if failed
             else None,
             "summary": job.summary,

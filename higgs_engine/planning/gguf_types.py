@@ -26,6 +26,7 @@ __all__ = [
     "GGUF_TYPES",
     "GgufType",
     "gguf_type",
+    "max_menu_bits",
     "min_menu_bits",
     "uniform_type_for_bits",
 ]
@@ -132,6 +133,11 @@ def min_menu_bits() -> float:
     return min(t.bits for t in GGUF_MENU)
 
 
+def max_menu_bits() -> float:
+    """Bits per value of the widest type on the menu (F16): no GGUF target is above it."""
+    return max(t.bits for t in GGUF_MENU)
+
+
 # `bits` targets on the GGUF path: the code bits people name map to the K-quant of that width
 # (llama.cpp's own reading of "4-bit" is Q4_K); rows that the K-quant does not fit take the
 # 32-value type llama.cpp itself falls back to.
@@ -157,7 +163,11 @@ FALLBACK: dict[str, str] = {
 
 def uniform_type_for_bits(bits: float) -> GgufType:
     """The type a uniform `bits` target means: the widest of Q2_K..Q6_K, Q8_0, F16 whose nominal
-    width is at most `bits`."""
+    width is at most `bits`; InvalidConfigError (field "bits") below Q2_K or above F16."""
+    if bits > _UNIFORM[-1][0] + 1e-9:
+        raise InvalidConfigError(
+            f"bits={bits:g} is above the widest GGUF type (F16, 16 bits)", field="bits"
+        )
     best = None
     for width, name in _UNIFORM:
         if width <= bits + 1e-9:

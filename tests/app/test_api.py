@@ -144,6 +144,39 @@ def test_bits_and_options_choose_the_grid(client: TestClient, auth: dict[str, st
             },
             "options.calibration",
         ),
+        *[
+            (
+                {
+                    "model": {"id": "tiny"},
+                    "target": {"bits": 4},
+                    "options": {"formats": ["gguf"], name: value},
+                },
+                f"options.{name}",
+            )
+            for name, value in [
+                ("skip", ["*"]),
+                ("p", 2),
+                ("n", 256),
+                ("dtype", "bfloat16"),
+                ("group_size", 128),
+                ("rotation_block", 512),
+                ("sign_seed", None),
+                ("scale_rule", "rms"),
+                ("seed", 7),
+            ]
+        ],
+        (
+            {"model": {"id": "tiny"}, "target": {"bits": 100}, "options": {"formats": ["gguf"]}},
+            "target.bits",
+        ),
+        (
+            {
+                "model": {"id": "tiny"},
+                "target": {"avg_bits": 16.5},
+                "options": {"formats": ["gguf"]},
+            },
+            "target.avg_bits",
+        ),
         (
             {"model": {"id": "tiny"}, "target": {"bits": 4}, "options": {"formats": []}},
             "options.formats",
@@ -452,7 +485,11 @@ def test_progress_layers_report_and_failure_views(
         state.claim(s, failed, "w")
         state.fail(s, failed, "model_not_found", "no checkpoint at tiny")
     view = client.get(f"/v1/jobs/{failed}", headers=auth).json()
-    assert view["error"] == {"code": "model_not_found", "message": "no checkpoint at tiny"}
+    assert view["error"] == {
+        "code": "model_not_found",
+        "message": "no checkpoint at tiny",
+        "scratch_reclaimed_bytes": None,
+    }
 
 
 def test_broker_down_still_accepts_and_leaves_job_for_the_sweep(

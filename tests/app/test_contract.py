@@ -53,6 +53,8 @@ def contract_server(sqlite_url: str, tmp_path: Path) -> Iterator[tuple[str, Sett
         # (tests/app/test_limits.py covers them).
         rate_limit_per_s=0,
         max_active_jobs_per_key=0,
+        # Per-key Hub tokens can be stored (without a secret PUT hub-token is not_supported).
+        hub_token_secret="contract tests",
     )
     with serve_app(settings) as url:
         yield url, settings

@@ -37,9 +37,12 @@ MAX_LATENCY_S = 5.0
 FILE_BYTES = 8 * 1024 * 1024
 
 
-def prepare(stack: Stack, key: str) -> tuple[str, str]:
-    """(succeeded job with an 8 MiB artifact file, queued job) of the key, written directly."""
-    engine = create_db_engine(stack.env["HIGGS_DATABASE_URL"])
+def prepare(stack: Stack, key: str, claim_queued: bool = False) -> tuple[str, str]:
+    """(succeeded job with an 8 MiB artifact file, queued job) of the key, written directly;
+    with `claim_queued` the second job is running (claimed), so that a worker beside the API
+    leaves it alone and its event streams stay open."""
+    url = stack.env.get("HIGGS_DATABASE_URL") or f"sqlite:///{stack.data_dir / 'higgs.db'}"
+    engine = create_db_engine(url)
     try:
         sessions = session_factory(engine)
         with sessions() as s:
@@ -53,6 +56,8 @@ def prepare(stack: Stack, key: str) -> tuple[str, str]:
         with sessions() as s:
             state.claim(s, done.id, "w")
             state.succeed(s, done.id, {"layers": []}, [], [artifact_row("native", store)])
+            if claim_queued:
+                state.claim(s, queued.id, "w")
         return done.id, queued.id
     finally:
         engine.dispose()
@@ -144,6 +149,7 @@ async def poller(
     lat: list[float],
     errors: list[str],
     retries: list[str],
+    interval_s: float = POLL_INTERVAL_S,
 ) -> None:
     i = 0
     while time.monotonic() < until:
@@ -166,7 +172,7 @@ async def poller(
         lat.append(time.perf_counter() - t0)
         if status != 200:
             errors.append(f"{path}: {status} {body[:200]!r}")
-        await asyncio.sleep(POLL_INTERVAL_S)
+        await asyncio.sleep(interval_s)
 
 
 async def ceiling_rps(url: str, clients: int = 50, seconds: float = 2.0) -> float:
@@ -190,14 +196,21 @@ async def ceiling_rps(url: str, clients: int = 50, seconds: float = 2.0) -> floa
     return done / seconds
 
 
-async def run_load(url: str, key: str, done: str, queued: str) -> dict[str, Any]:
+async def run_load(
+    url: str,
+    key: str,
+    done: str,
+    queued: str,
+    interval_s: float = POLL_INTERVAL_S,
+    load_s: float = LOAD_S,
+) -> dict[str, Any]:
     slow = [
         SlowClient(url, f"/v1/jobs/{done}/artifacts/native/files/model.safetensors", key)
         for _ in range(SLOW_DOWNLOADS)
     ]
     slow += [SlowClient(url, f"/v1/jobs/{queued}/events", key) for _ in range(STREAMS)]
     await asyncio.gather(*(s.open() for s in slow))
-    until = time.monotonic() + LOAD_S
+    until = time.monotonic() + load_s
     lat: list[float] = []
     errors: list[str] = []
     retries: list[str] = []
@@ -205,7 +218,9 @@ async def run_load(url: str, key: str, done: str, queued: str) -> dict[str, Any]
     trickles = [asyncio.create_task(s.trickle(until)) for s in slow]
     conns = [KeepAliveClient(url, {"Authorization": f"Bearer {key}"}) for _ in range(POLLERS)]
     try:
-        await asyncio.gather(*(poller(p, paths, until, lat, errors, retries) for p in conns))
+        await asyncio.gather(
+            *(poller(p, paths, until, lat, errors, retries, interval_s) for p in conns)
+        )
     finally:
         for p in conns:
             p.close()
@@ -259,3 +274,49 @@ def test_200_pollers_30_slow_downloads_30_streams(stack_factory: Any) -> None:
             f"{offered:.0f} req/s ({summary}; no errors, streams and downloads held)"
         )
     assert lat[-1] < MAX_LATENCY_S, f"{summary}; hello-world ceiling {ceiling:.0f} req/s"
+
+
+# The embedded default under the crowd with pollers that ask again at once: its p99 is at most
+# this many times its p50 (requests served in turn, app/admission.py, rather than most quick
+# and a few waiting for seconds: without the queue it was 6 to 7 times), and under 2 s when the
+# machine can serve the crowd at all.
+EMBEDDED_TAIL = 4.0
+EMBEDDED_P99_S = 2.0
+EMBEDDED_LOAD_S = 10.0
+
+
+def test_embedded_default_under_the_same_crowd(stack_factory: Any) -> None:
+    """`higgs serve` as a user starts it (one API process, SQLite, the filesystem broker, its
+    worker) under 200 pollers asking again as soon as they are answered, 30 slow downloads and
+    30 streams: no errors, a short tail, and a p99 under EMBEDDED_P99_S."""
+    stack = stack_factory("local")
+    stack.env.update(
+        {
+            "HIGGS_RATE_LIMIT_PER_S": "0",
+            "HIGGS_MAX_EVENT_STREAMS_PER_KEY": "0",
+            "HIGGS_EVENTS_POLL_INTERVAL_S": "0.5",
+            "HIGGS_HEARTBEAT_TIMEOUT_S": "3600",  # the followed job stays running
+        }
+    )
+    stack.migrate()
+    key = stack.create_key("load")
+    done, running = prepare(stack, key, claim_queued=True)
+    stack.start_serve()
+    ceiling = asyncio.run(ceiling_rps(stack.url))
+    out = asyncio.run(run_load(stack.url, key, done, running, 0.0, EMBEDDED_LOAD_S))
+    lat, errors, slow = out["lat"], out["errors"], out["slow"]
+    assert [s.status for s in slow] == [200] * len(slow)
+    assert errors == [], errors[:20]
+    lat.sort()
+    p50, p99 = statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]
+    summary = (
+        f"{len(lat)} requests in {EMBEDDED_LOAD_S:g} s ({len(lat) / EMBEDDED_LOAD_S:.0f}/s), "
+        f"p50 {1000 * p50:.0f} ms, p99 {1000 * p99:.0f} ms, max {1000 * lat[-1]:.0f} ms, "
+        f"hello-world ceiling {ceiling:.0f} req/s"
+    )
+    print(summary)
+    assert all(not s.closed for s in slow[SLOW_DOWNLOADS:]), "an event stream ended"
+    assert p99 <= EMBEDDED_TAIL * p50, summary
+    if ceiling < POLLERS / POLL_INTERVAL_S:
+        pytest.skip(f"p99 bound not judged: the machine is busy ({summary}); tail judged")
+    assert p99 < EMBEDDED_P99_S, summary

@@ -95,6 +95,9 @@ def test_bad_widths_are_refused() -> None:
     assert uniform_type_for_bits(4.5) == GGUF_TYPES["Q4_K"]
     with pytest.raises(InvalidConfigError, match=r"bits=1\.5"):
         uniform_type_for_bits(1.5)
+    assert uniform_type_for_bits(16) == GGUF_TYPES["F16"]
+    with pytest.raises(InvalidConfigError, match=r"bits=100 is above the widest GGUF type"):
+        uniform_type_for_bits(100)  # never silently F16
 
 
 # ---------------------------------------------------------------------------------------------

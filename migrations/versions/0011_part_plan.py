@@ -2,8 +2,8 @@
 dynamic plan's per-layer grids, parts, device, threads, source, the profile and allocation the
 report's annotations come from) the coordinator made once; every part and the assembly run it
 
-Revision ID: 0010_part_plan
-Revises: 0009_gguf
+Revision ID: 0011_part_plan
+Revises: 0010_key_hub_token_scratch
 Create Date: 2026-12-03
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0010_part_plan"
-down_revision: str | None = "0009_gguf"
+revision: str = "0011_part_plan"
+down_revision: str | None = "0010_key_hub_token_scratch"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
