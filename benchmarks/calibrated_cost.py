@@ -85,6 +85,7 @@ def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
     from higgs_engine.methods import METHODS, Precision
     from higgs_engine.model_structure import layer_specs, load_config
     from higgs_engine.safetensors_stream import CheckpointReader
+    from higgs_engine.sources import resolve_model
 
     count = 0
     int4 = Precision(bits=4, group_size=128)
@@ -98,7 +99,7 @@ def _gptq_int4(model_dir: Path, calibration: Any) -> dict[str, Any]:
     cfg = load_config(model_dir)
     with CheckpointReader(model_dir) as reader:
         specs = layer_specs(cfg, reader.keys())
-        outside = run_calibrated(model_dir, cfg, reader, specs, calibration, quantize)
+        outside = run_calibrated(resolve_model(model_dir), reader, specs, calibration, quantize)
         for name in outside:  # outside the blocks (a pooler): plain RTN, as the quality bench
             spec = next(s for s in specs if s.name == name)
             METHODS["rtn"].quantize(spec.weight(reader), int4)

@@ -244,7 +244,7 @@ def run_smollm2(args: argparse.Namespace) -> None:
             )
             save()
 
-    from higgs_engine.dynamic import get_profile
+    from devtools.profiles import get_profile
 
     held = tokenize(tok, text)[HELD_OUT_FROM * args.context :]
     for source in SOURCES:
@@ -434,7 +434,9 @@ def minilm_references() -> list[Method]:
 
 
 def run_minilm(args: argparse.Namespace) -> None:
-    from higgs_engine.dynamic import get_profile, profile_config_for
+    from devtools.profiles import get_profile
+    from higgs_engine.dynamic import profile_config_for
+    from higgs_engine.sources import resolve_model
 
     env = environment()
     t_run = time.perf_counter()
@@ -448,7 +450,7 @@ def run_minilm(args: argparse.Namespace) -> None:
     sim = SimulatedModel(model)
     names = [n for n, _ in sim.layers]
     hcfg = HiggsConfig()
-    default_cfg = profile_config_for(MINILM_DIR, DEFAULT_PROFILE)
+    default_cfg = profile_config_for(resolve_model(MINILM_DIR), DEFAULT_PROFILE)
     tokens = args.profile_tokens or default_cfg.tokens
     res: dict[str, Any] = {
         "benchmark": "datafree_sources",

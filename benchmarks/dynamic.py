@@ -50,8 +50,8 @@ from higgs_engine.planning.allocator import (
     solve,
 )
 from higgs_engine.planning.plans import layer_specs_from_profile
-from higgs_engine.planning.profile import Profile, ProfileConfig
-from higgs_engine.profile import compute_profile
+from higgs_engine.planning.profile import Profile, ProfileConfig, ProfileRequest
+from higgs_engine.profile import ProfileRun, compute_profile
 
 
 def nf4_double_quant(w: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -208,16 +208,8 @@ def main() -> None:
                 last[0] = time.perf_counter()
                 log(f"profile {method}: {done}/{total}")
 
-        prof = compute_profile(
-            model,
-            names,
-            calib,
-            cfg,
-            model_id="smollm2-135m",
-            revision=None,
-            calibration=calib_id,
-            progress=progress,
-        )
+        request = ProfileRequest("smollm2-135m", None, calib_id, cfg, tuple(names))
+        prof = compute_profile(model, ProfileRun(request, None, progress), calib)
         wall = time.perf_counter() - t0
         profiles[method] = prof
         prof.save(out.parent / f"dynamic_profile_{method}.json")

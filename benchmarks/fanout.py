@@ -118,8 +118,9 @@ def make_checkpoint(root: Path, layers: int, blocks_per_shard: int = 2) -> tuple
 def _worker(src: str, out_root: str, queue: Any, results: Any) -> None:
     import torch
 
-    from higgs_engine.parts import Part, quantize_part
+    from higgs_engine.parts import Part, part_context, quantize_part
     from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.sources import resolve_model
 
     torch.set_num_threads(1)
     cfg = HiggsConfig(p=CONFIG["p"], n=CONFIG["n"])
@@ -130,7 +131,8 @@ def _worker(src: str, out_root: str, queue: Any, results: Any) -> None:
             return
         idx, shards = item
         t0 = time.perf_counter()
-        quantize_part(Path(src), Part(idx, tuple(shards)), Path(out_root) / f"p{idx:05d}", cfg)
+        ctx = part_context(resolve_model(Path(src)), Path(out_root) / f"p{idx:05d}", cfg)
+        quantize_part(ctx, Part(idx, tuple(shards)))
         results.put((idx, os.getpid(), time.perf_counter() - t0))
 
 
@@ -138,8 +140,9 @@ def run(src: Path, work: Path, workers: int) -> dict[str, Any]:
     """Quantize every part with `workers` processes, assemble; wall seconds and digests."""
     import torch
 
-    from higgs_engine.parts import assemble_parts, source_parts
+    from higgs_engine.parts import assemble_parts, part_context, source_parts
     from higgs_engine.planning.config import HiggsConfig
+    from higgs_engine.sources import resolve_model
 
     torch.set_num_threads(1)
     parts_dir, out = work / "parts", work / "out"
@@ -153,7 +156,7 @@ def run(src: Path, work: Path, workers: int) -> dict[str, Any]:
     ]
     for p in procs:
         p.start()
-    parts = source_parts(src)
+    parts = source_parts(resolve_model(src))
     # Start-up excluded: every process has imported torch and the engine before the clock
     # starts (a worker process is started once and serves many jobs).
     for _ in procs:
@@ -170,9 +173,8 @@ def run(src: Path, work: Path, workers: int) -> dict[str, Any]:
         if p.exitcode != 0:
             raise RuntimeError(f"a worker process exited with {p.exitcode}")
     t1 = time.perf_counter()
-    assemble_parts(
-        src, sorted(parts_dir.iterdir()), out, HiggsConfig(p=CONFIG["p"], n=CONFIG["n"]), move=True
-    )
+    run_ctx = part_context(resolve_model(src), out, HiggsConfig(p=CONFIG["p"], n=CONFIG["n"]))
+    assemble_parts(run_ctx, sorted(parts_dir.iterdir()), move=True)
     t_asm = time.perf_counter() - t1
     digests = {
         p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -208,8 +210,10 @@ def main() -> None:
         # happen here, not inside the first run's assembly time.
         from higgs_engine.parts import planned_layers, source_parts
         from higgs_engine.planning.config import HiggsConfig
+        from higgs_engine.sources import resolve_model
 
-        planned_layers(src, source_parts(src), HiggsConfig(p=CONFIG["p"], n=CONFIG["n"]))
+        model = resolve_model(src)
+        planned_layers(model, source_parts(model), HiggsConfig(p=CONFIG["p"], n=CONFIG["n"]))
         runs: list[dict[str, Any]] = []
         for r in range(args.repeats):
             for n in args.workers:

@@ -197,7 +197,8 @@ def eval_encoder(
 
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from higgs_engine.dynamic import obtain_profile, profile_stores
+    from devtools.profiles import obtain
+    from higgs_engine.dynamic import profile_stores
 
     checkpoint = SMOLLM_DIR if name == "smollm2" else MINILM_DIR
     encoder = name == "minilm"
@@ -209,7 +210,7 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     print(f"[{name}] converted in {convert_s:.1f} s", flush=True)
 
     # profiles are cached under the checkpoint's real path (data/ may be a link)
-    prof = obtain_profile(
+    prof = obtain(
         checkpoint.resolve(), stores=profile_stores(cache), selfgen_cache=cache, embeddings=True
     )
     profile = prof.profile

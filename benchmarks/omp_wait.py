@@ -42,7 +42,7 @@ POLICIES = ("ACTIVE", "PASSIVE")
 
 def profile_file(dest: Path) -> Path:
     """SmolLM2's default data-free profile, as a file (from the engine's cache when there)."""
-    from higgs_engine.dynamic import get_profile
+    from devtools.profiles import get_profile
     from higgs_engine.planning.profile import DEFAULT_PROFILE
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "higgs"

@@ -37,13 +37,14 @@ from devtools.quality import SMOLLM_DIR
 from higgs_engine.dynamic import calibration_windows, profile_config_for
 from higgs_engine.model_loading import load_float_model
 from higgs_engine.model_structure import quantizable_layers
-from higgs_engine.planning.profile import DEFAULT_PROFILE
-from higgs_engine.profile import compute_profile
+from higgs_engine.planning.profile import DEFAULT_PROFILE, ProfileRequest
+from higgs_engine.profile import ProfileRun, compute_profile
 from higgs_engine.selfgen import (
     SelfGenConfig,
     self_generated_tokens,
     self_generated_tokens_reference,
 )
+from higgs_engine.sources import resolve_model
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -80,7 +81,9 @@ def main() -> None:
 
     # The profile as the CLI runs it: windows from an empty cache, then the Fisher passes.
     config = replace(
-        profile_config_for(SMOLLM_DIR, DEFAULT_PROFILE), windows=args.count, context=args.length
+        profile_config_for(resolve_model(SMOLLM_DIR), DEFAULT_PROFILE),
+        windows=args.count,
+        context=args.length,
     )
     names = quantizable_layers(SMOLLM_DIR, ())
     with tempfile.TemporaryDirectory() as cache:
@@ -92,12 +95,8 @@ def main() -> None:
     _, fisher_sec = timed(
         lambda: compute_profile(
             model,
-            names,
+            ProfileRun(ProfileRequest("smollm2", "bench", "self", config, tuple(names))),
             windows,
-            config,
-            model_id="smollm2",
-            revision="bench",
-            calibration="self",
         )
     )
     ref = statistics.median(runs["reference"])

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from higgs_engine.evaluate import text_windows, tokenize
-    from higgs_engine.profile import compute_profile
+    from higgs_engine.planning.profile import ProfileRequest
+    from higgs_engine.profile import ProfileRun, compute_profile
     from higgs_engine.selfgen import SelfGenConfig, self_generated_tokens
 
     env = environment()
@@ -106,15 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     one = replace(DEFAULT_PROFILE, windows=1, fisher_samples=WINDOW_DRAWS)
     for source, wins in (("self", self_wins), ("real", real_wins)):
         for i in range(int(wins.shape[0])):
-            prof = compute_profile(
-                float_model,
-                names,
-                wins[i : i + 1],
-                one,
-                model_id="smollm2",
-                revision=None,
-                calibration=f"{source}:{i}",
-            )
+            request = ProfileRequest("smollm2", None, f"{source}:{i}", one, tuple(names))
+            prof = compute_profile(float_model, ProfileRun(request), wins[i : i + 1])
             per[source].append(prof.alphas())
             ppl[source].append(float(prof.base["ppl"]))
             log(f"{source} window {i}: base perplexity {ppl[source][-1]:.2f}")

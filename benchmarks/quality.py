@@ -84,7 +84,7 @@ def dynamic_method(
     the default profile (cached in `cache_dir`; for a causal LM Fisher/KL on text the model
     generates itself, for an encoder Gauss-Newton/cos on random framed tokens), the DP
     allocation, and each layer's grid with the default HiggsConfig."""
-    from higgs_engine.dynamic import get_profile
+    from devtools.profiles import get_profile
     from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.planning.plans import Target, plan_allocation
     from higgs_engine.planning.profile import DEFAULT_PROFILE

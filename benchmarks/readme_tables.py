@@ -79,6 +79,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("fanout", "python -m benchmarks.fanout"),
     ("house", "python -m benchmarks.house"),
     ("gguf_identical", "python -m benchmarks.gguf_identical"),
+    ("identical", "python -m benchmarks.identical"),
 ]
 OUT = ROOT / "benchmarks" / "README.md"
 HEADER = """# Benchmarks (latest measured tables)

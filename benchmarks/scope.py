@@ -158,13 +158,15 @@ def run_one(
 
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from higgs_engine.dynamic import allocated_layers, obtain_profile, profile_stores
+    from devtools.profiles import obtain
+    from higgs_engine.dynamic import allocated_layers, profile_stores
+    from higgs_engine.sources import resolve_model
 
     # The resolved path: the profile cache's key includes the checkpoint's path.
     ckpt = (MINILM_DIR if name == "minilm" else SMOLLM_DIR).resolve()
     cache = args.profile_cache
     t0 = time.perf_counter()
-    got = obtain_profile(ckpt, stores=profile_stores(cache), selfgen_cache=cache, embeddings=True)
+    got = obtain(ckpt, stores=profile_stores(cache), selfgen_cache=cache, embeddings=True)
     profile = got.profile
     print(f"[{name}] profile {'cached' if got.reused else 'measured'}", flush=True)
     profile_s = time.perf_counter() - t0
@@ -186,7 +188,9 @@ def run_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     for target in sizes:
         for scope in ("linear", "all"):
             cfg = HiggsConfig(scope=scope)
-            avg = avg_bits_for_whole(target, params, allocated_layers(ckpt, cfg), profile)
+            avg = avg_bits_for_whole(
+                target, params, allocated_layers(resolve_model(ckpt), cfg), profile
+            )
             rows.append(
                 run_one(
                     f"dynamic @ {target:.3f} bits/param, scope={scope}",

@@ -84,6 +84,7 @@ def gptq_int4_method(model_dir: Path, data: CalibrationData) -> Method:
         from higgs_engine.methods import METHODS, Precision
         from higgs_engine.model_structure import layer_specs, load_config
         from higgs_engine.safetensors_stream import CheckpointReader
+        from higgs_engine.sources import resolve_model
 
         out: dict[str, tuple[torch.Tensor, float]] = {}
         int4 = Precision(bits=4, group_size=128)
@@ -100,7 +101,9 @@ def gptq_int4_method(model_dir: Path, data: CalibrationData) -> Method:
         cfg = load_config(model_dir)
         with CheckpointReader(model_dir) as reader:
             specs = layer_specs(cfg, reader.keys())
-            outside = run_calibrated(model_dir, cfg, reader, specs, data.calibration, quantize)
+            outside = run_calibrated(
+                resolve_model(model_dir), reader, specs, data.calibration, quantize
+            )
             for name in outside:  # outside the blocks (a pooler): plain RTN, said in params
                 spec = next(s for s in specs if s.name == name)
                 r = METHODS["rtn"].quantize(spec.weight(reader), int4)
@@ -155,7 +158,7 @@ def calibrated_higgs_method(model_dir: Path, data: CalibrationData, p: int, n: i
 
 def calibrated_dynamic_method(model_dir: Path, data: CalibrationData, avg_bits: float) -> Method:
     def compute() -> dict[str, tuple[torch.Tensor, float]]:
-        from higgs_engine.dynamic import get_profile
+        from devtools.profiles import get_profile
         from higgs_engine.model_structure import quantizable_layers
         from higgs_engine.planning.config import HiggsConfig
         from higgs_engine.planning.plans import Target, config_with_allocation, plan_allocation

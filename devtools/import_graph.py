@@ -187,3 +187,59 @@ def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def public_functions(path: Path) -> set[str]:
+    """The module-level functions of the file at `path` whose names are public (no `_`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and not node.name.startswith("_")
+    }
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` of a Name / Attribute chain, else None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def names_taken(root: Path, path: Path) -> set[tuple[str, str]]:
+    """(repo module, name) for every name the file at `path` takes from another repo module,
+    anywhere in it: `from m import name`, and `alias.name` where alias is a module imported
+    whole (`import m`, `import m as alias`, `from pkg import m`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules: dict[str, str] = {}  # local name -> module it stands for
+    taken: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if repo_module(root, a.name):
+                    modules[a.asname or a.name] = a.name
+                    if a.asname is None:  # `import a.b` binds a; a.b.f is read as (a.b, f)
+                        parts = a.name.split(".")
+                        for i in range(1, len(parts)):
+                            modules[".".join(parts[:i])] = ".".join(parts[:i])
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if not repo_module(root, node.module):
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if repo_module(root, sub):
+                    modules[a.asname or a.name] = sub
+                else:
+                    taken.add((node.module, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = _dotted(node.value)
+            if base is not None and base in modules:
+                taken.add((modules[base], node.attr))
+    return taken

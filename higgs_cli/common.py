@@ -131,11 +131,12 @@ def profile_source(
     measured as the --profile-* options say on the --profile-text (or `fallback_text`), found
     in or kept at the profile cache (--profile-cache, or the default) like the self-generated
     text. `more`: further ProfileSource fields (the option menu)."""
-    from higgs_engine.dynamic import ProfileSource, profile_stores
+    from higgs_engine.job import ProfileSource
+    from higgs_engine.planning.profile import ProfileDirectory
 
     given = getattr(args, "profile_cache", None)
     cache = Path(given) if given else default_profile_cache()
-    where: dict[str, Any] = {"stores": tuple(profile_stores(cache)), "selfgen_cache": cache, **more}
+    where: dict[str, Any] = {"stores": (ProfileDirectory(cache),), "selfgen_cache": cache, **more}
     if getattr(args, "profile", None):
         return ProfileSource(profile=load_profile(args.profile), **where)
     text = read_text_option(args, "profile-")

@@ -232,22 +232,22 @@ def _skip(args: argparse.Namespace) -> tuple[str, ...]:
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = profile_config(args)
     text = read_text_option(args)
-    from higgs_engine.dynamic import get_profile
+    from higgs_engine.job import ProfileSource, QuantizeJob, measure_profile
+    from higgs_engine.planning.profile import ProfileDirectory, ProfileFile
 
     quiet_libraries()  # transformers' own loading bar and warnings: stderr is ours
     bar = StageBars(args.quiet)
+    cache = Path(args.cache) if args.cache else default_profile_cache()
+    how = ProfileSource(
+        config=cfg,
+        text=text,
+        stores=(ProfileFile(Path(args.out)), ProfileDirectory(cache)),
+        selfgen_cache=cache,
+        skip=_skip(args),
+    )
     try:
-        prof = get_profile(
-            args.source,
-            cfg,
-            text=text,
-            cache_dir=Path(args.cache) if args.cache else default_profile_cache(),
-            out=Path(args.out),
-            skip=_skip(args),
-            revision=args.revision,
-            token=args.token,
-            progress=bar,
-        )
+        job = QuantizeJob(args.source, profile=how, revision=args.revision, token=args.token)
+        prof = measure_profile(job, bar)
     finally:
         bar.close()
     alphas = sorted(prof.alphas().items(), key=lambda kv: kv[1])
@@ -286,12 +286,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     target = dynamic_target(args.avg_bits, args.max_ppl_increase)
     prof = load_profile(args.profile)
-    from higgs_engine.model_structure import quantizable_layers
     from higgs_engine.planning.plans import plan_allocation, ppl_increase_from
-    from higgs_engine.sources import resolve_source
+    from higgs_engine.sources import resolve_model
 
-    src = resolve_source(args.source, args.revision, args.token)
-    names = quantizable_layers(src.path, cfg.skip)
+    names = resolve_model(args.source, args.revision, args.token).layer_names(cfg.skip)
     from higgs_engine.planning.options import option_menu
 
     opts = option_menu(max_code_bits=args.max_code_bits)
@@ -365,4 +363,5 @@ def dynamic_job(
         revision=args.revision,
         token=args.token,
         overwrite=bool(getattr(args, "overwrite", False)),
+        threads=getattr(args, "threads", None),
     )

@@ -144,6 +144,13 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="where rotation and search run: cpu, cuda, cuda:N or auto (default: CUDA if usable)",
     )
+    q.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads for the run (default: torch's own choice)",
+    )
     q.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -255,29 +262,21 @@ def _text_cache(args: argparse.Namespace) -> Path:
     return Path(given) if given else default_profile_cache()
 
 
-def _calibration(args: argparse.Namespace, text: str | None, progress: Any) -> Any:
+def _calibration(args: argparse.Namespace, text: str | None) -> Any:
+    """The job's CalibrationRequest (made into token windows once the model is resolved), or
+    None without --calibration."""
     if args.calibration is None:
         return None
-    from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS, prepare_calibration
+    from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS
+    from higgs_engine.job import CalibrationRequest
 
-    tokens = args.calibration_tokens or DEFAULT_CALIBRATION_TOKENS
-    try:
-        return prepare_calibration(
-            args.source,
-            text,
-            tokens,
-            label=f"file:{Path(args.calibration).name}" if text is not None else "self",
-            revision=args.revision,
-            token=args.token,
-            cache_dir=_text_cache(args) if text is None else None,
-            progress=progress,
-        )
-    except Exception as exc:
-        from higgs_engine.errors import InvalidConfigError
-
-        if isinstance(exc, InvalidConfigError):
-            raise CliError(f"--calibration {args.calibration}: {exc}") from None
-        raise
+    return CalibrationRequest(
+        text,
+        args.calibration_tokens or DEFAULT_CALIBRATION_TOKENS,
+        label=f"file:{Path(args.calibration).name}" if text is not None else "self",
+        cache_dir=_text_cache(args) if text is None else None,
+        field=f"--calibration {args.calibration}",
+    )
 
 
 def _quantize_gguf(args: argparse.Namespace) -> int:
@@ -307,6 +306,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             )
         return _quantize_gguf(args)
     cfg = _engine_config(args)  # validate before importing torch
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads {args.threads} must be at least 1")
     cal_text = _calibration_text(args)
     from higgs_engine.job import QuantizeJob, run
 
@@ -314,7 +315,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
-        calibration = _calibration(args, cal_text, bars)
+        calibration = _calibration(args, cal_text)
         # A dynamic target (per-layer allocation) or --profile: the dynamic hooks build the
         # job; None when the command asks for plain uniform HIGGS.
         job = (
@@ -331,6 +332,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 revision=args.revision,
                 token=args.token,
                 overwrite=args.overwrite,
+                threads=args.threads,
             )
         rep = run(job, Path(args.out), bars)
     finally:
@@ -338,6 +340,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
         return 0
+    print("\n".join(_summary_lines(rep, cfg, Path(args.out))))
+    return 0
+
+
+def _summary_lines(rep: Any, cfg: Any, out: Path) -> list[str]:
+    """What `higgs quantize` prints after a HIGGS run: layers and grids, bits, calibration,
+    sizes, what was written."""
     grids: dict[str, int] = {}
     for r in rep.layers:
         if r.p:
@@ -371,11 +380,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         ),
         f"size {rep.bytes_before / 1e6:.2f} MB -> {rep.bytes_after / 1e6:.2f} MB, "
         f"in {rep.timings.get('total', 0.0):.1f} s",
-        f"wrote {', '.join(str(Path(args.out) / f) for f in rep.formats)} and "
-        f"{Path(args.out) / 'report.json'}",
+        f"wrote {', '.join(str(out / f) for f in rep.formats)} and {out / 'report.json'}",
     ]
-    print("\n".join(lines))
-    return 0
+    return lines
 
 
 def _device(name: str) -> str:

@@ -1,8 +1,9 @@
 """HIGGS quantization engine: Hadamard rotation + MSE-optimal Gaussian grids, data-free.
 
 The public entry point is `run(QuantizeJob(...), out)` (higgs_engine.job: uniform, dynamic and
-GGUF jobs); `quantize_checkpoint` is its uniform stage. They are imported lazily so that light
-consumers (the API validating a config) do not pay for torch.
+GGUF jobs, planned as a JobPlan and run part by part); `quantize_checkpoint` is one config over
+the whole checkpoint in one run. They are imported lazily so that light consumers (the API
+validating a config) do not pay for torch.
 """
 
 from __future__ import annotations

@@ -39,12 +39,14 @@ if TYPE_CHECKING:
 
     from higgs_engine.model_structure import LayerSpec
     from higgs_engine.safetensors_stream import CheckpointReader
+    from higgs_engine.sources import ResolvedModel
 
 __all__ = [
     "DEFAULT_CALIBRATION_TOKENS",
     "DEFAULT_CONTEXT",
     "MAX_CALIBRATION_BYTES",
     "Calibration",
+    "CalibrationRequest",
     "calibration_from_text",
     "check_calibration_text",
     "prepare_calibration",
@@ -153,64 +155,89 @@ def calibration_from_text(
     )
 
 
+@dataclass(frozen=True)
+class CalibrationRequest:
+    """The calibration a job asks for, made into a Calibration once the model is resolved:
+    `text` tokenized with the model's tokenizer (recorded as `label`), or (text None) text the
+    model generates itself (cached in `cache_dir`); `tokens` in windows of `context`. Errors
+    in making it name `field` (the option or request field it came from)."""
+
+    text: str | None
+    tokens: int = DEFAULT_CALIBRATION_TOKENS
+    context: int = DEFAULT_CONTEXT
+    label: str = "file"
+    cache_dir: Path | None = None
+    field: str = "calibration"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or self.tokens < 2:
+            raise InvalidConfigError(
+                f"{self.field}: calibration tokens={self.tokens!r} must be an integer >= 2"
+            )
+
+
 def self_calibration(
-    path: Path,
+    model: ResolvedModel,
     tokens: int = DEFAULT_CALIBRATION_TOKENS,
     context: int = DEFAULT_CONTEXT,
     *,
-    revision: str | None = None,
     cache_dir: Path | None = None,
     progress: ProgressCallback | None = None,
+    device: str | None = None,
 ) -> Calibration:
     """Calibration on text the model writes itself (higgs_engine.selfgen, seeded, cached per
     model revision in `cache_dir`; generated anew when it is None): ceil(tokens / context)
     sampled sequences of `context` tokens. Generation loads the model once in float32 (the
-    calibration pass itself never does)."""
+    calibration pass itself never does), on `device` (None: the CPU)."""
     import torch
 
     from higgs_engine.model_loading import load_float_model
-    from higgs_engine.planning.profile import source_fingerprint
     from higgs_engine.selfgen import SelfGenConfig, cached_self_tokens, selfgen_id
 
     if not isinstance(tokens, int) or tokens < 2:
         raise InvalidConfigError(f"calibration tokens={tokens!r} must be an integer >= 2")
     ctx = min(context, tokens)
     cfg = SelfGenConfig(count=max(1, tokens // ctx), length=ctx)
-    rev = revision or source_fingerprint(Path(path))
-    model, tok = load_float_model(Path(path))
+    rev = model.profile_revision
+    net, tok = load_float_model(model)
+    if device is not None:
+        from higgs_engine.device import resolve_device
+
+        net.to(resolve_device(device))
     try:
-        toks = cached_self_tokens(model, tok, rev, cache_dir, cfg, progress=progress)
+        toks = cached_self_tokens(net, tok, rev, cache_dir, cfg, progress=progress)
     finally:
-        del model
-    windows = toks.to(torch.long).contiguous()
+        del net
+    windows = toks.to("cpu", torch.long).contiguous()
     digest = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
     return Calibration(windows=windows, sha256=digest, source=selfgen_id(rev, cfg))
 
 
 def prepare_calibration(
-    source: str | Path,
-    text: str | None,
-    tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    context: int = DEFAULT_CONTEXT,
-    *,
-    label: str = "file",
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: Path | None = None,
+    model: ResolvedModel,
+    request: CalibrationRequest,
     progress: ProgressCallback | None = None,
+    device: str | None = None,
 ) -> Calibration:
-    """The Calibration for quantizing `source`: `text` tokenized with the source's own
-    tokenizer, or (text None) self-generated text. Errors name what is wrong before any
-    quantization starts."""
-    from higgs_engine.sources import resolve_source
-
-    src = resolve_source(source, revision, token)
-    if text is None:
-        return self_calibration(
-            src.path, tokens, context, revision=src.revision, cache_dir=cache_dir, progress=progress
+    """The Calibration for quantizing `model`: the request's text tokenized with the model's
+    own tokenizer, or (text None) self-generated text (generated on `device`). Errors name
+    what is wrong before any quantization starts, prefixed by request.field."""
+    try:
+        if request.text is None:
+            return self_calibration(
+                model,
+                request.tokens,
+                request.context,
+                cache_dir=request.cache_dir,
+                progress=progress,
+                device=device,
+            )
+        tok = load_tokenizer(model.path)
+        return calibration_from_text(
+            request.text, tok, request.tokens, request.context, source=request.label
         )
-    tok = load_tokenizer(src.path)
-    return calibration_from_text(text, tok, tokens, context, source=label)
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"{request.field}: {exc}") from exc
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -331,8 +358,7 @@ class _Hessians:
 
 
 def run_calibrated(
-    path: Path,
-    hf_config: Any,
+    resolved: ResolvedModel,
     reader: CheckpointReader,
     specs: Sequence[LayerSpec],
     calibration: Calibration,
@@ -347,10 +373,10 @@ def run_calibrated(
     progress(stage, layers done, total) after every layer; a False return cancels."""
     import torch
 
-    from higgs_engine.model_loading import model_key, params_on_meta
-    from higgs_engine.model_structure import build_meta_model, model_class
+    from higgs_engine.model_loading import params_on_meta
+    from higgs_engine.model_structure import model_class
 
-    build_meta_model(hf_config)  # a clear error if transformers cannot build it
+    hf_config = resolved.hf_config  # built on the meta device once, when it was resolved
     with params_on_meta():
         model = model_class(hf_config)._from_config(hf_config, dtype=torch.float32)  # type: ignore[attr-defined]
     model.eval()
@@ -358,69 +384,21 @@ def run_calibrated(
     blocks_name, blocks = _find_blocks(model, list(by_name))
     block_prefix = [f"{blocks_name}.{i}." for i in range(len(blocks))]
     outside = [n for n in by_name if not any(n.startswith(p) for p in block_prefix)]
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    prefix = str(getattr(model, "base_model_prefix", "") or "")
-    to_ckpt = {model_key(k, set(params), prefix): k for k in reader}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_names = tuple(n + "." for n, m in model.named_modules() if head is not None and m is head)
-
-    def load(pname: str) -> None:
-        key = to_ckpt.get(pname)
-        if key is None:
-            raise InvalidConfigError(f"the checkpoint has no tensor for {pname!r}")
-        _set_param(model, pname, reader.get(key).to(torch.float32))
-
-    # Everything outside the blocks except the output head (the pass never reaches it).
-    for pname in params:
-        if pname.startswith(blocks_name + ".") or pname.startswith(head_names or ("\0",)):
-            continue
-        if pname not in to_ckpt:
-            continue
-        load(pname)
-
+    params = _BlockLoader(model, reader, blocks_name)
     total = len(by_name) - len(outside)
     report(progress, stage, 0, total)
     hidden, block_args = _capture(model, blocks, calibration.windows)
     done = 0
     for k, block in enumerate(blocks):
         pre = block_prefix[k]
-        bparams = [n for n in params if n.startswith(pre)]
-        for pname in bparams:
-            load(pname)
+        bparams = params.load_block(pre)
         targets = {n: s for n, s in by_name.items() if n.startswith(pre)}
-        hes = _Hessians(targets)
-        handles = [
-            block.get_submodule(n[len(pre) :]).register_forward_pre_hook(hes.hook(n))
-            for n in targets
-        ]
-        try:
-            with torch.no_grad():
-                for i, h in enumerate(hidden):
-                    hes.new_window()
-                    a, kw = block_args[i][k]
-                    with contextlib.suppress(_Stop):  # raised once every input is recorded
-                        block(h, *a, **kw)
-        finally:
-            for hd in handles:
-                hd.remove()
-        hes.new_window()
-        for names, hessian in hes.groups():
-            group = [targets[n] for n in names]
-            ws = []
-            for spec in group:
-                w = block.get_submodule(spec.name[len(pre) :]).get_parameter("weight").detach()
-                ws.append((w.t() if spec.transposed else w).to(torch.float32).contiguous())
-            w_hats = quantize(group, ws, hessian)
-            del ws
-            for spec, w_hat in zip(group, w_hats, strict=True):
-                stored = w_hat.t() if spec.transposed else w_hat
-                _set_param(
-                    block, spec.name[len(pre) :] + ".weight", stored.to(torch.float32).contiguous()
-                )
+        for group, hessian in _block_hessians(
+            block, pre, targets, hidden, [a[k] for a in block_args]
+        ):
+            _quantize_group(block, pre, group, hessian, quantize)
             done += len(group)
             report(progress, stage, done, total)
-        del hes
         if k == len(blocks) - 1:
             hidden.clear()  # the last block's outputs feed no Hessian
         with torch.no_grad():
@@ -428,9 +406,102 @@ def run_calibrated(
                 a, kw = block_args[i][k]
                 out = block(h, *a, **kw)
                 hidden[i] = out[0] if isinstance(out, tuple) else out
-        for pname in bparams:
-            _set_param(model, pname, torch.empty(params[pname].shape, device="meta"))
+        params.unload(bparams)
     return outside
+
+
+class _BlockLoader:
+    """The model's parameters filled from the checkpoint: everything outside the blocks but
+    the output head at once, then one block at a time (and back to the meta device)."""
+
+    def __init__(self, model: nn.Module, reader: CheckpointReader, blocks_name: str) -> None:
+        from higgs_engine.model_loading import model_key
+
+        self.model = model
+        self.reader = reader
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        prefix = str(getattr(model, "base_model_prefix", "") or "")
+        self.to_ckpt = {model_key(k, set(self.params), prefix): k for k in reader}
+        net: Any = model
+        head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+        head_names = tuple(
+            n + "." for n, m in model.named_modules() if head is not None and m is head
+        )
+        # Everything outside the blocks except the output head (the pass never reaches it).
+        for pname in self.params:
+            if pname.startswith(blocks_name + ".") or pname.startswith(head_names or ("\0",)):
+                continue
+            if pname in self.to_ckpt:
+                self.load(pname)
+
+    def load(self, pname: str) -> None:
+        import torch
+
+        key = self.to_ckpt.get(pname)
+        if key is None:
+            raise InvalidConfigError(f"the checkpoint has no tensor for {pname!r}")
+        _set_param(self.model, pname, self.reader.get(key).to(torch.float32))
+
+    def load_block(self, pre: str) -> list[str]:
+        names = [n for n in self.params if n.startswith(pre)]
+        for pname in names:
+            self.load(pname)
+        return names
+
+    def unload(self, names: list[str]) -> None:
+        import torch
+
+        for pname in names:
+            _set_param(self.model, pname, torch.empty(self.params[pname].shape, device="meta"))
+
+
+def _block_hessians(
+    block: nn.Module,
+    pre: str,
+    targets: dict[str, LayerSpec],
+    hidden: list[torch.Tensor],
+    args: list[tuple[tuple[Any, ...], dict[str, Any]]],
+) -> list[tuple[list[LayerSpec], torch.Tensor]]:
+    """The block run (float weights) over every window with hooks on its target linears:
+    [(the layers sharing one input, their Hessian)] in the order the block runs them."""
+    import torch
+
+    hes = _Hessians(targets)
+    handles = [
+        block.get_submodule(n[len(pre) :]).register_forward_pre_hook(hes.hook(n)) for n in targets
+    ]
+    try:
+        with torch.no_grad():
+            for h, (a, kw) in zip(hidden, args, strict=True):
+                hes.new_window()
+                with contextlib.suppress(_Stop):  # raised once every input is recorded
+                    block(h, *a, **kw)
+    finally:
+        for hd in handles:
+            hd.remove()
+    hes.new_window()
+    return [([targets[n] for n in names], hessian) for names, hessian in hes.groups()]
+
+
+def _quantize_group(
+    block: nn.Module,
+    pre: str,
+    group: list[LayerSpec],
+    hessian: torch.Tensor,
+    quantize: LayerQuantizer,
+) -> None:
+    """The layers of one input quantized with its Hessian; W_hat loaded into the block."""
+    import torch
+
+    ws = []
+    for spec in group:
+        w = block.get_submodule(spec.name[len(pre) :]).get_parameter("weight").detach()
+        ws.append((w.t() if spec.transposed else w).to(torch.float32).contiguous())
+    w_hats = quantize(group, ws, hessian)
+    del ws
+    for spec, w_hat in zip(group, w_hats, strict=True):
+        stored = w_hat.t() if spec.transposed else w_hat
+        _set_param(block, spec.name[len(pre) :] + ".weight", stored.to(torch.float32).contiguous())
 
 
 def _capture(

@@ -7,7 +7,7 @@ with a target, then quantizes with the plan's config):
     allocate    the exact allocator for the target over the option menu (stage "allocating";
                 higgs_engine.planning.plans, torch-free)
 
-`plan_dynamic` does both; `obtain_profile` / `get_profile` the first alone; `annotate_dynamic`
+`plan_dynamic` does both; `obtain_profile` the first alone; `annotate_dynamic`
 adds to the quantization's report each layer's choice and alpha, the predicted metric change
 and the conversion used.
 """
@@ -43,15 +43,16 @@ from higgs_engine.planning.profile import (
     find_profile,
     resolve_profile_config,
     resume_path,
-    source_fingerprint,
 )
-from higgs_engine.profile import compute_profile
+from higgs_engine.profile import ProfileRun, compute_profile
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from higgs_engine.sources import ResolvedModel
 
 
 DEFAULT_CONFIG = HiggsConfig()
@@ -168,13 +169,10 @@ def encoder_windows(
     return torch.cat(cols, dim=1)
 
 
-def profile_config_for(path: Path, config: ProfileConfig) -> ProfileConfig:
-    """`config` resolved for the checkpoint at `path` (metric auto -> kl or cos, an encoder's
-    data-free source and context; planning.profile.resolve_profile_config)."""
-    from higgs_engine.model_structure import load_config, max_positions, model_kind
-
-    cfg = load_config(Path(path))
-    return resolve_profile_config(config, model_kind(cfg), max_positions(cfg))
+def profile_config_for(model: ResolvedModel, config: ProfileConfig) -> ProfileConfig:
+    """`config` resolved for `model` (metric auto -> kl or cos, an encoder's data-free source
+    and context; planning.profile.resolve_profile_config)."""
+    return resolve_profile_config(config, model.model_kind, model.max_positions)
 
 
 def profile_stores(cache_dir: Path | None = None, out: Path | None = None) -> list[ProfileStore]:
@@ -202,131 +200,6 @@ def _mark_embeddings(prof: Profile, emb_names: Sequence[str]) -> None:
     prof.embeddings = [n for n in emb_names if n in have]
 
 
-def obtain_profile(
-    source: str | Path,
-    config: ProfileConfig = DEFAULT_PROFILE,
-    *,
-    text: str | None = None,
-    stores: Sequence[ProfileStore] = (),
-    skip: Sequence[str] = (),
-    revision: str | None = None,
-    token: str | None = None,
-    compute: bool = True,
-    progress: ProgressCallback | None = None,
-    selfgen_cache: Path | None = None,
-    embeddings: bool = False,
-    device: str | None = None,
-) -> ProfileResult:
-    """The profile of `source`'s quantizable layers (less `skip`) for `config` on `text`
-    (None = random tokens, data-free); with `embeddings`, of the token embedding and an untied
-    output head too (model_structure.embedding_layers: what GGUF files quantize).
-
-    The first store holding one the request accepts wins; otherwise it is measured (resuming a
-    partial one kept by the stores) and saved to every store. compute=False raises
-    ProfileNotFoundError instead of measuring. `device` (None: the CPU; "auto", "cuda[:N]")
-    is where the model generates its text and runs the Fisher passes: the quantization's
-    device, so a GPU job does not profile on the CPU.
-    """
-    from higgs_engine.model_structure import (
-        build_meta_model,
-        embedding_layers,
-        load_config,
-        quantizable_layers,
-    )
-    from higgs_engine.sources import resolve_source
-
-    t0 = time.perf_counter()
-    src = resolve_source(source, revision, token)
-    hf_config = load_config(src.path)
-    meta = build_meta_model(hf_config)  # one module tree for both lists
-    names = quantizable_layers(hf_config, skip, model=meta)
-    emb_names = embedding_layers(hf_config, model=meta)
-    if embeddings:
-        names = [*names, *(n for n in emb_names if n not in names)]
-    config = profile_config_for(src.path, config)
-    request = ProfileRequest(
-        # a local model by its absolute path: "m", "./m" and /abs/m share one cached profile
-        model=src.id if src.kind == "hub" else str(Path(src.id).resolve()),
-        revision=src.revision or source_fingerprint(src.path),
-        calibration=calibration_id(text, config.seed, config.data_free),
-        config=config,
-        layers=tuple(names),
-    )
-    found = find_profile(stores, request)
-    if found is not None:
-        _mark_embeddings(found[0], emb_names)
-        return ProfileResult(found[0], found[1].name, time.perf_counter() - t0)
-    if not compute:
-        raise ProfileNotFoundError(
-            f"no cached profile for {src.id!r} (key {request.key}); compute one first"
-        )
-    model, tok = load_float_model(src.path)
-    if device is not None:
-        from higgs_engine.device import resolve_device
-
-        model.to(resolve_device(device))
-    t_gen = time.perf_counter()
-    windows = calibration_windows(
-        model,
-        tok,
-        text,
-        config,
-        revision=request.revision,
-        cache_dir=selfgen_cache,
-        progress=progress,
-    )
-    generating_s = time.perf_counter() - t_gen
-    prof = compute_profile(
-        model,
-        names,
-        windows.to(next(model.parameters()).device),
-        config,
-        model_id=request.model,
-        revision=request.revision,
-        calibration=request.calibration,
-        partial_path=resume_path(stores, request),
-        progress=progress,
-    )
-    _mark_embeddings(prof, emb_names)
-    for store in stores:
-        store.save(prof, request)
-    return ProfileResult(prof, None, time.perf_counter() - t0, generating_s)
-
-
-def get_profile(
-    source: str | Path,
-    config: ProfileConfig = DEFAULT_PROFILE,
-    *,
-    text: str | None = None,
-    cache_dir: Path | None = None,
-    out: Path | None = None,
-    skip: Sequence[str] = (),
-    revision: str | None = None,
-    token: str | None = None,
-    compute: bool = True,
-    progress: ProgressCallback | None = None,
-) -> Profile:
-    """obtain_profile with the CLI's file stores: `out` and the cache directory (which also
-    keeps the self-generated text)."""
-    return obtain_profile(
-        source,
-        config,
-        text=text,
-        stores=profile_stores(cache_dir, out),
-        selfgen_cache=cache_dir,
-        skip=skip,
-        revision=revision,
-        token=token,
-        compute=compute,
-        progress=progress,
-    ).profile
-
-
-# ---------------------------------------------------------------------------------------------
-# Profile -> plan -> quantize
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ProfileSource:
     """Where a job's sensitivity profile comes from: `profile` as given (no lookup), else
@@ -346,6 +219,74 @@ class ProfileSource:
     resolution: float = 1e-4
 
 
+def obtain_profile(
+    model: ResolvedModel,
+    how: ProfileSource,
+    layers: Sequence[str],
+    progress: ProgressCallback | None = None,
+    device: str | None = None,
+    compute: bool = True,
+) -> ProfileResult:
+    """The profile of `model`'s `layers` for how.config on how.text (None = data-free);
+    `layers` may name the token embedding and an untied output head too (what GGUF files
+    and scope "all" quantize).
+
+    The first of how.stores holding one the request accepts wins; otherwise it is measured
+    (resuming a partial one kept by the stores) and saved to every store. compute=False raises
+    ProfileNotFoundError instead of measuring. `device` (None: the CPU; "auto", "cuda[:N]")
+    is where the model generates its text and runs the Fisher passes: the quantization's
+    device, so a GPU job does not profile on the CPU.
+    """
+    t0 = time.perf_counter()
+    emb_names = [s.name for s in model.embeddings]
+    config = profile_config_for(model, how.config)
+    request = ProfileRequest(
+        model=model.profile_id,
+        revision=model.profile_revision,
+        calibration=calibration_id(how.text, config.seed, config.data_free),
+        config=config,
+        layers=tuple(layers),
+    )
+    found = find_profile(how.stores, request)
+    if found is not None:
+        _mark_embeddings(found[0], emb_names)
+        return ProfileResult(found[0], found[1].name, time.perf_counter() - t0)
+    if not compute:
+        raise ProfileNotFoundError(
+            f"no cached profile for {model.id!r} (key {request.key}); compute one first"
+        )
+    net, tok = load_float_model(model)
+    if device is not None:
+        from higgs_engine.device import resolve_device
+
+        net.to(resolve_device(device))
+    t_gen = time.perf_counter()
+    windows = calibration_windows(
+        net,
+        tok,
+        how.text,
+        config,
+        revision=request.revision,
+        cache_dir=how.selfgen_cache,
+        progress=progress,
+    )
+    generating_s = time.perf_counter() - t_gen
+    prof = compute_profile(
+        net,
+        ProfileRun(request, resume_path(how.stores, request), progress),
+        windows.to(next(net.parameters()).device),
+    )
+    _mark_embeddings(prof, emb_names)
+    for store in how.stores:
+        store.save(prof, request)
+    return ProfileResult(prof, None, time.perf_counter() - t0, generating_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile -> plan -> quantize
+# ---------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class DynamicPlan:
     """A dynamic target's profile and allocation, and the config that quantizes with it."""
@@ -356,36 +297,25 @@ class DynamicPlan:
     allocating_s: float
 
 
-def allocated_layers(path: Path, config: HiggsConfig) -> list[str]:
+def allocated_layers(model: ResolvedModel, config: HiggsConfig) -> list[str]:
     """The layers the allocator chooses a grid for: the quantizable linear layers less
     `config.skip`, and with scope "all" the token embedding and an untied output head too (not
     skipped either), so that the budget counts every quantized parameter."""
-    from higgs_engine.model_structure import (
-        build_meta_model,
-        embedding_layers,
-        is_skipped,
-        load_config,
-        quantizable_layers,
-    )
+    from higgs_engine.model_structure import is_skipped
 
-    cfg = load_config(Path(path))
-    model = build_meta_model(cfg)  # one module tree for both lists
-    names = quantizable_layers(cfg, config.skip, model=model)
+    names = model.layer_names(config.skip)
     if config.scope == "all":
-        emb = embedding_layers(cfg, model=model)
+        emb = [s.name for s in model.embeddings]
         names += [n for n in emb if n not in names and not is_skipped(n, config.skip)]
     return names
 
 
 def plan_dynamic(
-    source: str | Path,
+    model: ResolvedModel,
     target: Target,
     base: HiggsConfig = DEFAULT_CONFIG,
     how: ProfileSource = ProfileSource(),
-    *,
     progress: ProgressCallback | None = None,
-    revision: str | None = None,
-    token: str | None = None,
     device: str | None = None,
 ) -> DynamicPlan:
     """Profile -> allocate: a dynamic job's stages before the quantization (a single-worker
@@ -397,26 +327,13 @@ def plan_dynamic(
     untied head when base.scope is "all" (allocated like any layer). how.menu is the
     allocator's option menu (default: planning.options.option_menu(), every shipped grid and
     16-bit)."""
-    from higgs_engine.sources import resolve_source
-
     if how.profile is not None:
         got = ProfileResult(how.profile, "given", 0.0)
     else:
-        got = obtain_profile(
-            source,
-            how.config,
-            text=how.text,
-            stores=how.stores,
-            selfgen_cache=how.selfgen_cache,
-            skip=base.skip if how.skip is None else how.skip,
-            revision=revision,
-            token=token,
-            progress=progress,
-            embeddings=base.scope == "all",
-            device=device,
-        )
-    src = resolve_source(source, revision, token)
-    names = allocated_layers(src.path, base)
+        skip = base.skip if how.skip is None else how.skip
+        layers = model.layer_names(skip, embeddings=base.scope == "all")
+        got = obtain_profile(model, how, layers, progress, device)
+    names = allocated_layers(model, base)
     t1 = time.perf_counter()
     plan = plan_allocation(
         got.profile,

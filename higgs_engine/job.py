@@ -1,41 +1,77 @@
-"""The engine's one entry point: a QuantizeJob says what to quantize and how, run(job, out)
-does it. The CLI and the worker build a job and call run(); nothing else of theirs quantizes.
+"""The engine's entry point: a QuantizeJob says what to quantize and how; `plan(job)` turns it
+into a JobPlan, data that says everything the run will do; `run_part` quantizes one part of a
+plan and `assemble` writes the artifacts from the parts; `run(job, out)` is all of it on one
+machine. The CLI and the worker reach the engine's orchestration only through these.
 
-    uniform    (no target) the pipeline's uniform stage (higgs_engine.pipeline) with
-               job.config; with a given profile (ProfileSource.profile) the report also gets
-               each layer's alpha and the predicted metric change
-    dynamic    (job.target) plan_dynamic: the profile (given, found in the stores or measured,
-               stage "profiling") and the exact allocation (stage "allocating"); then the
-               uniform stage with the plan's config, one grid per layer; the report gets
-               annotate_dynamic's entries (alphas, predicted change, allocation, target, seconds)
-    gguf       (job.gguf) a llama.cpp GGUF file (higgs_engine.gguf.run), with job.target or
-               the options' bits / ftype
+    resolve    the model, once per run (higgs_engine.sources.resolve_model: where it is, its
+               config, its layers); every later stage is handed the ResolvedModel
+    plan       uniform (no target): job.config; with a given profile the report also gets
+               each layer's alpha and the predicted metric change. dynamic (job.target):
+               plan_dynamic, the profile (given, found in the stores or measured, stage
+               "profiling") and the exact allocation (stage "allocating"), whose per-layer
+               grids are the plan's config; gguf (job.gguf): a llama.cpp GGUF file
+               (higgs_engine.gguf.run), with job.target or the options' bits / ftype
+    run_part   a sharded source, one part (one shard) of it (higgs_engine.parts); an
+               unsharded source is one run over the whole checkpoint (higgs_engine.pipeline)
+    assemble   the artifacts' small files from the parts' metadata, and report.json
 
-Whatever the kind, report.json is written once: the run's report, the dynamic annotations and
+Whatever the kind, report.json is written once: the run's report, the plan's annotations and
 the caller's job.annotate (given the staged output directory, its artifacts complete) are all
 in it when it is written into the staged directory, which is then renamed to `out`.
+
+A JobPlan is frozen, validated when it is built and serialisable (to_dict / from_dict, with a
+version): a service stores it and runs its parts on other machines, each with the model
+resolved there, and assembles from it; nothing is derived again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from higgs_engine.calibration import CalibrationRequest
 from higgs_engine.dynamic import ProfileSource
+from higgs_engine.errors import InvalidConfigError
+from higgs_engine.parts import Part, PartResult
 from higgs_engine.planning.config import HiggsConfig, check_method_job
 from higgs_engine.planning.plans import Target, annotate_report
 from higgs_engine.planning.profile import Profile
-from higgs_engine.progress import ProgressCallback
+from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import Report
+from higgs_engine.sources import ResolvedModel
 
 if TYPE_CHECKING:
     from higgs_engine.calibration import Calibration
-    from higgs_engine.dynamic import DynamicPlan
     from higgs_engine.gguf.runplan import GgufEvalRequest, GgufPlan
 
-__all__ = ["Annotate", "GgufOptions", "ProfileSource", "QuantizeJob", "gguf_plan", "run"]
+__all__ = [
+    "JOB_PLAN_VERSION",
+    "Annotate",
+    "CalibrationRequest",
+    "DynamicChoice",
+    "GgufOptions",
+    "JobPlan",
+    "ProfileSource",
+    "QuantizeJob",
+    "ResolvedModel",
+    "RunInputs",
+    "assemble",
+    "gguf_plan",
+    "measure_profile",
+    "plan",
+    "resolve",
+    "run",
+    "run_part",
+]
+
+JOB_PLAN_VERSION = 1
+PlanKind = Literal["uniform", "dynamic", "gguf"]
 
 # What a caller adds to the report, given the staged output directory, before report.json.
 Annotate = Callable[[Report, Path], None]
@@ -55,20 +91,32 @@ class GgufOptions:
     split_max_bytes: int | None = None
     threads: int = 0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The serialisable options (the evaluation text is the caller's, not the plan's)."""
+        return {
+            "bits": self.bits,
+            "ftype": self.ftype,
+            "rotate": self.rotate,
+            "split_max_bytes": self.split_max_bytes,
+            "threads": self.threads,
+        }
+
 
 @dataclass(frozen=True)
 class QuantizeJob:
-    """One quantization: `source` (local directory or Hub id at `revision`) with `config`,
-    uniform (target None) or allocated per layer for `target`; calibrated HIGGS with
-    `calibration`; on `device` (None: the CPU). `gguf`: a GGUF file instead of HIGGS
-    artifacts (`config` then unused). `annotate`: the caller's additions to the report, run
-    before report.json is written; `on_plan`: told the dynamic plan (profile and where it came
-    from, allocation) once made, before the quantization."""
+    """One quantization: `source` (local directory or Hub id at `revision`, or a model
+    resolved already) with `config`, uniform (target None) or allocated per layer for
+    `target`; calibrated HIGGS with `calibration` (a Calibration, or a CalibrationRequest
+    made into one once the model is resolved); on `device` (None: the CPU) with `threads`
+    torch threads (None: torch's default). `gguf`: a GGUF file instead of HIGGS artifacts
+    (`config` and `calibration` then refused). `annotate`: the caller's additions to the
+    report, run before report.json is written; `on_plan`: told the JobPlan once it is made,
+    before the quantization. A job that cannot be planned fails here, naming the field."""
 
-    source: str | Path
+    source: str | Path | ResolvedModel
     config: HiggsConfig = field(default_factory=HiggsConfig)
     target: Target | None = None
-    calibration: Calibration | None = None
+    calibration: Calibration | CalibrationRequest | None = None
     profile: ProfileSource = field(default_factory=ProfileSource)
     device: str | None = None
     revision: str | None = None
@@ -76,13 +124,291 @@ class QuantizeJob:
     overwrite: bool = False
     gguf: GgufOptions | None = None
     annotate: Annotate | None = None
-    on_plan: Callable[[DynamicPlan], None] | None = None
+    on_plan: Callable[[JobPlan], None] | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, HiggsConfig):
+            raise InvalidConfigError(f"config: {type(self.config).__name__} is not a HiggsConfig")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise InvalidConfigError(f"threads={self.threads!r} must be a positive integer")
+        if self.gguf is not None:
+            if self.config != HiggsConfig():
+                raise InvalidConfigError(
+                    "config: a GGUF job takes llama.cpp's types, not a HIGGS config"
+                )
+            if self.calibration is not None:
+                raise InvalidConfigError("calibration: a GGUF job is not calibrated")
+
+    @property
+    def kind(self) -> PlanKind:
+        if self.gguf is not None:
+            return "gguf"
+        return "dynamic" if self.target is not None else "uniform"
+
+
+@dataclass(frozen=True)
+class DynamicChoice:
+    """What a dynamic plan chose and how: the target, the profile's provenance (`reused`: the
+    store it came from, "given", or None when measured; the seconds spent on it, of which
+    `generating_s` on self-generated text), the allocation's report entry and its seconds."""
+
+    target: dict[str, float]
+    reused: str | None
+    profile_s: float
+    generating_s: float
+    allocating_s: float
+    allocation: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": dict(self.target),
+            "reused": self.reused,
+            "profile_s": self.profile_s,
+            "generating_s": self.generating_s,
+            "allocating_s": self.allocating_s,
+            "allocation": self.allocation,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DynamicChoice:
+        return cls(
+            target=dict(d["target"]),
+            reused=d["reused"],
+            profile_s=float(d["profile_s"]),
+            generating_s=float(d["generating_s"]),
+            allocating_s=float(d["allocating_s"]),
+            allocation=dict(d["allocation"]),
+        )
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything a run will do, as data: its `kind`; the `source` (the ResolvedModel's
+    serialisable part: path, id, revision, kind); the `config` every layer is quantized with
+    (a dynamic plan's per-layer grids are its overrides; the formats are config.formats);
+    the `parts` of a sharded source with the layers each quantizes (`totals`; no parts: one
+    run over the whole checkpoint); `device` and `threads`; the `calibration` used (its
+    description; the token windows stay with the caller); the `profile` the report's alphas
+    and predicted change come from; a dynamic plan's `dynamic` choice; a GGUF plan's `gguf`
+    options. Validated when built (InvalidConfigError naming the field)."""
+
+    kind: PlanKind
+    source: dict[str, Any]
+    config: HiggsConfig
+    parts: tuple[Part, ...] = ()
+    totals: tuple[int, ...] = ()
+    device: str = "cpu"
+    threads: int | None = None
+    calibration: dict[str, Any] | None = None
+    profile: dict[str, Any] | None = None
+    dynamic: DynamicChoice | None = None
+    gguf: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(PlanKind):
+            raise InvalidConfigError(f"kind={self.kind!r} is not one of {get_args(PlanKind)}")
+        if set(self.source) != {"path", "id", "revision", "kind"}:
+            raise InvalidConfigError(f"source={self.source!r} needs path, id, revision, kind")
+        if [p.index for p in self.parts] != list(range(len(self.parts))):
+            raise InvalidConfigError("parts: their indexes are not 0..n-1 in order")
+        if len(self.totals) != len(self.parts):
+            raise InvalidConfigError(f"totals: {len(self.totals)} for {len(self.parts)} parts")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidConfigError(f"threads={self.threads!r} must be a positive integer")
+        if (self.kind == "dynamic") != (self.dynamic is not None):
+            raise InvalidConfigError("dynamic: a dynamic plan, and only one, has its choice")
+        if (self.kind == "gguf") != (self.gguf is not None):
+            raise InvalidConfigError("gguf: a GGUF plan, and only one, has its options")
+        if self.calibration is not None and self.parts:
+            raise InvalidConfigError("calibration: a calibrated run is not split into parts")
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": JOB_PLAN_VERSION,
+            "kind": self.kind,
+            "source": dict(self.source),
+            "config": self.config.to_dict(),
+            "parts": [p.to_dict() for p in self.parts],
+            "totals": list(self.totals),
+            "device": self.device,
+            "threads": self.threads,
+            "calibration": self.calibration,
+            "profile": self.profile,
+            "dynamic": None if self.dynamic is None else self.dynamic.to_dict(),
+            "gguf": self.gguf,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobPlan:
+        if not isinstance(d, Mapping) or d.get("version") != JOB_PLAN_VERSION:
+            got = d.get("version") if isinstance(d, Mapping) else type(d).__name__
+            raise InvalidConfigError(f"version: {got!r} is not job plan {JOB_PLAN_VERSION}")
+        try:
+            return cls(
+                kind=d["kind"],
+                source=dict(d["source"]),
+                config=HiggsConfig.from_dict(d["config"]),
+                parts=tuple(Part(int(p["index"]), tuple(p["shards"])) for p in d["parts"]),
+                totals=tuple(int(t) for t in d["totals"]),
+                device=str(d["device"]),
+                threads=d["threads"],
+                calibration=d["calibration"],
+                profile=d["profile"],
+                dynamic=None if d["dynamic"] is None else DynamicChoice.from_dict(d["dynamic"]),
+                gguf=d["gguf"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidConfigError(f"job plan: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class RunInputs:
+    """What a run needs beside its plan, none of it data a plan carries: the model resolved
+    on this machine, the progress callback, the caller's annotate, the calibration's token
+    windows, this machine's device (None: the plan's) and the timings so far."""
+
+    model: ResolvedModel
+    progress: ProgressCallback | None = None
+    annotate: Annotate | None = None
+    calibration: Calibration | None = None
+    device: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve, plan
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve(job: QuantizeJob, progress: ProgressCallback | None = None) -> ResolvedModel:
+    """The job's model, resolved (stage "resolving"); a ResolvedModel source as it is."""
+    from higgs_engine.sources import resolve_model
+
+    report(progress, "resolving", 0, 1)
+    model = resolve_model(job.source, job.revision, job.token)
+    report(progress, "resolving", 1, 1)
+    return model
+
+
+def plan(
+    job: QuantizeJob,
+    progress: ProgressCallback | None = None,
+    model: ResolvedModel | None = None,
+    calibration: Calibration | None = None,
+) -> JobPlan:
+    """The JobPlan of `job` for `model` (resolved here when None): a dynamic target profiled
+    and allocated (stages "profiling", "allocating"), a sharded data-free source's parts
+    listed with the layers each quantizes. `calibration`: the job's calibration made into
+    token windows already (its description goes into the plan)."""
+    from higgs_engine.parts import planned_layers, source_parts
+
+    model = model if model is not None else resolve(job, progress)
+    config, profile, dynamic = job.config, job.profile.profile, None
+    if job.target is not None and job.gguf is None:
+        config, profile, dynamic = _plan_dynamic(job, job.target, model, progress)
+    cal = job.calibration if calibration is None else calibration
+    parts: list[Part] = []
+    if model.sharded and cal is None and job.gguf is None:
+        parts = source_parts(model)
+    totals = planned_layers(model, parts, config) if parts else {}
+    return JobPlan(
+        kind=job.kind,
+        source=model.ref(),
+        config=config,
+        parts=tuple(parts),
+        totals=tuple(totals[p.index] for p in parts),
+        device=job.device or "cpu",
+        threads=job.threads,
+        calibration=None if cal is None else _plain(_describe_calibration(cal)),
+        profile=None if profile is None else _plain(profile.to_dict()),
+        dynamic=dynamic,
+        gguf=None if job.gguf is None else _plain(job.gguf.to_dict()),
+    )
+
+
+def _plain(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`d` as JSON gives it back (tuples become lists): a plan equals its stored copy."""
+    out: dict[str, Any] = json.loads(json.dumps(dict(d)))
+    return out
+
+
+def _plan_dynamic(
+    job: QuantizeJob, target: Target, model: ResolvedModel, progress: ProgressCallback | None
+) -> tuple[HiggsConfig, Profile, DynamicChoice]:
+    from higgs_engine.dynamic import plan_dynamic
+    from higgs_engine.planning.plans import allocation_entry
+
+    planned = plan_dynamic(model, target, job.config, job.profile, progress, job.device)
+    prof = planned.profile
+    choice = DynamicChoice(
+        target=_plain(target.to_dict()),
+        reused=prof.reused,
+        profile_s=prof.seconds,
+        generating_s=prof.generating_s,
+        allocating_s=planned.allocating_s,
+        allocation=_plain(allocation_entry(prof.profile.metric, planned.plan.allocation)),
+    )
+    return planned.config, prof.profile, choice
+
+
+def _describe_calibration(cal: Calibration | CalibrationRequest) -> dict[str, Any]:
+    if isinstance(cal, CalibrationRequest):
+        return {"source": cal.label if cal.text is not None else "self", "tokens": cal.tokens}
+    return cal.describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# run_part, assemble, run
+# ---------------------------------------------------------------------------------------------
+
+
+def run_part(plan: JobPlan, index: int, out_dir: Path, inputs: RunInputs) -> PartResult:
+    """Part `index` of the sharded plan quantized into `out_dir` (which must not exist): its
+    shards of each format under their final names and part.json (higgs_engine.parts)."""
+    from higgs_engine.parts import part_context, quantize_part
+
+    if not 0 <= index < len(plan.parts):
+        raise InvalidConfigError(f"index: part {index} is not one of {len(plan.parts)} parts")
+    device = inputs.device or plan.device
+    ctx = part_context(inputs.model, out_dir, plan.config, inputs.progress, device)
+    with _threads(plan.threads):
+        return quantize_part(ctx, plan.parts[index], len(plan.parts))
+
+
+def assemble(
+    plan: JobPlan,
+    metas: Sequence[Mapping[str, Any]],
+    out_dir: Path,
+    inputs: RunInputs,
+    part_dirs: Sequence[Path] | None = None,
+) -> Report:
+    """The artifacts of a sharded plan assembled into `out_dir` from every part's metadata
+    (`metas`: their part.json): the small files and report.json, with the plan's annotations
+    and then inputs.annotate. With `part_dirs` (the parts' output directories on this
+    machine) their shards are moved beside the small files first; without, they are where
+    the parts put them (a service's artifact store)."""
+    from higgs_engine.parts import assemble_metadata, assemble_parts, part_context
+
+    ctx = part_context(
+        inputs.model, out_dir, plan.config, inputs.progress, inputs.device or plan.device
+    )
+    ctx.timings.update(inputs.timings)
+    annotate = _chain([*_plan_annotations(plan), inputs.annotate])
+    if part_dirs is None:
+        return assemble_metadata(ctx, metas, annotate)
+    return assemble_parts(ctx, part_dirs, annotate, move=True)
 
 
 def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -> Report:
     """Run `job` into `out` (atomic: nothing is left there on error or cancellation; an
     existing non-empty `out` only with job.overwrite) and return its Report, the one written
-    as out/report.json."""
+    as out/report.json: resolve once, plan, then run_part for each part and assemble (or the
+    whole checkpoint in one run when the source is not sharded)."""
     out = Path(out)
     gguf, dynamic = job.gguf is not None, job.target is not None
     calibrated = job.calibration is not None
@@ -92,49 +418,173 @@ def run(job: QuantizeJob, out: Path, progress: ProgressCallback | None = None) -
 
         ctx = GgufContext(job.profile, job.token, job.annotate, job.overwrite)
         return run_gguf_plan(gguf_plan(job, progress), out, progress, ctx)
-    from higgs_engine.pipeline import quantize_checkpoint
+    from higgs_engine.output import check_out_dir
 
-    hooks: list[Annotate] = []
-    config = job.config
-    if job.target is not None:
-        from higgs_engine.dynamic import plan_dynamic
+    check_out_dir(out, job.overwrite)  # before any work: an existing output is refused first
+    t0 = time.perf_counter()
+    model = resolve(job, progress)
+    inputs = RunInputs(model, progress, job.annotate, timings={})
+    inputs.timings["resolving"] = time.perf_counter() - t0
+    if isinstance(job.calibration, CalibrationRequest):
+        from higgs_engine.calibration import prepare_calibration
 
-        planned = plan_dynamic(
-            job.source,
-            job.target,
-            job.config,
-            job.profile,
-            progress=progress,
-            revision=job.revision,
-            token=job.token,
-            device=job.device,
+        inputs.calibration = prepare_calibration(model, job.calibration, progress, job.device)
+    else:
+        inputs.calibration = job.calibration
+    planned = plan(job, progress, model, inputs.calibration)
+    if job.on_plan is not None:
+        job.on_plan(planned)
+    return _execute(planned, out, inputs, job.overwrite, t0)
+
+
+def _execute(planned: JobPlan, out: Path, inputs: RunInputs, overwrite: bool, t0: float) -> Report:
+    from higgs_engine.device import resolve_device
+    from higgs_engine.output import atomic_output
+    from higgs_engine.pipeline import quantize_whole
+    from higgs_engine.run_core import RunContext
+
+    with _threads(planned.threads), atomic_output(out, overwrite) as tmp:
+        if planned.sharded:
+            return _run_parts(planned, tmp, inputs, t0)
+        ctx = RunContext(
+            model=inputs.model,
+            tmp=tmp,
+            config=planned.config,
+            progress=inputs.progress,
+            device=resolve_device(planned.device),
+            timings=inputs.timings,
         )
-        if job.on_plan is not None:
-            job.on_plan(planned)
-        config = planned.config
-        hooks.append(_dynamic_annotations(planned, job.target))
-    elif job.profile.profile is not None:
-        hooks.append(_profile_annotations(job.profile.profile))
-    if job.annotate is not None:
-        hooks.append(job.annotate)
-    return quantize_checkpoint(
-        job.source,
-        out,
-        config,
-        progress,
-        revision=job.revision,
-        token=job.token,
-        overwrite=job.overwrite,
-        device=job.device,
-        calibration=job.calibration,
-        annotate=_chain(hooks),
-    )
+        annotate = _chain([*_plan_annotations(planned), inputs.annotate])
+        return quantize_whole(ctx, inputs.calibration, annotate, started=t0)
+
+
+def _run_parts(planned: JobPlan, tmp: Path, inputs: RunInputs, t0: float) -> Report:
+    """A sharded source on one machine: every part, one after the other, into a scratch
+    directory beside `tmp`, then assembled into `tmp` exactly as parts run by many workers
+    would be."""
+    from dataclasses import replace
+
+    from higgs_engine.parts import read_part
+
+    total = sum(planned.totals)
+    scratch = tmp.with_name(tmp.name + ".parts")
+    try:
+        t1 = time.perf_counter()
+        dirs: list[Path] = []
+        for part, offset in zip(planned.parts, _offsets(planned.totals), strict=True):
+            d = scratch / f"part-{part.index:05d}"
+            shifted = replace(inputs, progress=_shifted(inputs.progress, offset, total))
+            run_part(planned, part.index, d, shifted)
+            dirs.append(d)
+        inputs.timings["quantizing"] = time.perf_counter() - t1
+        inputs.timings["total"] = time.perf_counter() - t0
+        return assemble(planned, [read_part(d) for d in dirs], tmp, inputs, part_dirs=dirs)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _offsets(totals: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    for t in totals:
+        out.append(at)
+        at += t
+    return out
+
+
+def _shifted(progress: ProgressCallback | None, offset: int, total: int) -> ProgressCallback | None:
+    """A part's progress as the whole run's: its layers after the earlier parts' (`offset`)."""
+    if progress is None:
+        return None
+
+    def shifted(stage: str, done: int, _total: int) -> bool | None:
+        return progress(stage, offset + done, total)
+
+    return shifted
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block (None: left as they are)."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report's annotations, from the plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan_annotations(planned: JobPlan) -> list[Annotate]:
+    """What the plan adds to the report: a dynamic plan its alphas and predicted change, the
+    allocation, the target and the profiling / allocating seconds; a given profile with a
+    uniform plan each layer's alpha and the predicted change."""
+    if planned.profile is None:
+        return []
+    profile = Profile.from_dict(planned.profile)
+    dyn = planned.dynamic
+
+    def annotate(rep: Report, _staged: Path) -> None:
+        annotate_report(rep, profile)
+        if dyn is None:
+            return
+        rep.metrics["allocation"] = dyn.allocation
+        rep.metrics["target"] = dict(dyn.target)
+        rep.timings["allocating"] = dyn.allocating_s
+        if dyn.reused is None:
+            # profiling: the Fisher passes (and loading); generating: the text they ran on
+            rep.timings["profiling"] = dyn.profile_s - dyn.generating_s
+            if dyn.generating_s:
+                rep.timings["generating"] = dyn.generating_s
+
+    return [annotate]
+
+
+def _chain(hooks: Sequence[Annotate | None]) -> Annotate | None:
+    todo = [h for h in hooks if h is not None]
+    if not todo:
+        return None
+
+    def annotate(rep: Report, staged: Path) -> None:
+        for hook in todo:
+            hook(rep, staged)
+
+    return annotate
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile alone (`higgs profile`), GGUF
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_profile(
+    job: QuantizeJob, progress: ProgressCallback | None = None, compute: bool = True
+) -> Profile:
+    """The profile a dynamic plan of `job` would use (job.profile: given, found in its stores
+    or measured on job.device and saved), of the layers job.config quantizes less
+    job.profile.skip; without planning or quantizing anything."""
+    from higgs_engine.dynamic import obtain_profile
+
+    if job.profile.profile is not None:
+        return job.profile.profile
+    model = resolve(job, progress)
+    skip = job.config.skip if job.profile.skip is None else job.profile.skip
+    layers = model.layer_names(skip, embeddings=job.config.scope == "all")
+    return obtain_profile(model, job.profile, layers, progress, job.device, compute).profile
 
 
 def gguf_plan(job: QuantizeJob, progress: ProgressCallback | None = None) -> GgufPlan:
     """The GgufPlan of a GGUF job: its options validated first (InvalidConfigError naming the
-    bad option), then the source resolved (stage "resolving") and planned; run() runs it."""
-    from higgs_engine.errors import InvalidConfigError
+    bad option), then the source resolved once (stage "resolving") and planned; run() runs
+    it."""
     from higgs_engine.gguf.runplan import (
         GgufCompute,
         GgufGoal,
@@ -142,8 +592,6 @@ def gguf_plan(job: QuantizeJob, progress: ProgressCallback | None = None) -> Ggu
         GgufRotation,
         plan_gguf,
     )
-    from higgs_engine.progress import report
-    from higgs_engine.sources import resolve_source
 
     if job.gguf is None:
         raise InvalidConfigError(f"the job for {str(job.source)!r} asks for no GGUF file")
@@ -154,35 +602,5 @@ def gguf_plan(job: QuantizeJob, progress: ProgressCallback | None = None) -> Ggu
         GgufLayout() if g.split_max_bytes is None else GgufLayout(split_max_bytes=g.split_max_bytes)
     )
     compute = GgufCompute(job.device, g.threads)
-    report(progress, "resolving", 0, 1)
-    src = resolve_source(job.source, job.revision, job.token)
-    planned = plan_gguf(src, goal, rotation, layout, compute, job.profile.config, g.evaluate)
-    report(progress, "resolving", 1, 1)
-    return planned
-
-
-def _dynamic_annotations(planned: DynamicPlan, target: Target) -> Annotate:
-    from higgs_engine.dynamic import annotate_dynamic
-
-    def annotate(rep: Report, _staged: Path) -> None:
-        annotate_dynamic(rep, planned, target)
-
-    return annotate
-
-
-def _profile_annotations(profile: Profile) -> Annotate:
-    def annotate(rep: Report, _staged: Path) -> None:
-        annotate_report(rep, profile)
-
-    return annotate
-
-
-def _chain(hooks: list[Annotate]) -> Annotate | None:
-    if not hooks:
-        return None
-
-    def annotate(rep: Report, staged: Path) -> None:
-        for hook in hooks:
-            hook(rep, staged)
-
-    return annotate
+    model = resolve(job, progress)
+    return plan_gguf(model, goal, rotation, layout, compute, job.profile.config, g.evaluate)

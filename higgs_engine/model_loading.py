@@ -17,11 +17,14 @@ from higgs_engine.model_structure import load_config, match_key, model_class, mo
 if TYPE_CHECKING:
     from torch import nn
 
+    from higgs_engine.sources import ResolvedModel
+
 __all__ = ["load_float_model", "model_key", "params_on_meta"]
 
 
-def load_float_model(path: Path) -> tuple[nn.Module, Any]:
-    """The checkpoint in float32 on CPU (the profile perturbs it in place), and its tokenizer.
+def load_float_model(source: Path | ResolvedModel) -> tuple[nn.Module, Any]:
+    """The checkpoint (a directory, or a model resolved already, whose config is not read
+    again) in float32 on CPU (the profile perturbs it in place), and its tokenizer.
 
     A causal LM is loaded with its LM head; any other checkpoint (an encoder) as the class its
     config names (e.g. BertModel), whose base model's final hidden state the "cos" metric reads.
@@ -29,10 +32,15 @@ def load_float_model(path: Path) -> tuple[nn.Module, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model_kind(load_config(Path(path))) == "causal":
+    if isinstance(source, Path | str):
+        path = Path(source)
+        hf_config = load_config(path)
+    else:
+        path, hf_config = source.path, source.hf_config
+    if model_kind(hf_config) == "causal":
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     else:
-        cls: Any = model_class(load_config(Path(path)))
+        cls: Any = model_class(hf_config)
         model = cls.from_pretrained(str(path), dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     try:

@@ -274,6 +274,21 @@ def _spec(
     return LayerSpec(name, key, out_f, in_f, transposed, bias_key, role=role)
 
 
+def match_spec_keys(spec: LayerSpec, keys: set[str], prefix: str) -> LayerSpec:
+    """`spec` (found without the checkpoint's keys) with its weight and bias keys matched to the
+    stored names, as `layer_specs` matches them (a missing weight is an error naming it)."""
+    import dataclasses
+
+    key = match_key(f"{spec.name}.weight", keys, prefix)
+    if key is None:
+        what = "layer" if spec.role == "linear" else spec.role
+        raise CorruptCheckpointError(
+            f"checkpoint has no tensor for {what} weight {spec.name + '.weight'!r}"
+        )
+    bias = None if spec.bias_key is None else match_key(spec.bias_key, keys, prefix)
+    return dataclasses.replace(spec, key=key, bias_key=bias)
+
+
 def scope_specs(
     config: PretrainedConfig, checkpoint_keys: Sequence[str] | None, scope: str
 ) -> list[LayerSpec]:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
 from higgs_engine.formats import format_writer
-from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
+from higgs_engine.model_structure import LayerSpec
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
@@ -59,11 +59,13 @@ from higgs_engine.safetensors_stream import (
     SHARD_INDEX,
     CheckpointReader,
     StreamingSafetensorsWriter,
-    read_weight_map,
 )
 
 if TYPE_CHECKING:
-    from higgs_engine.sources import ResolvedSource
+    from higgs_engine.sources import ResolvedModel
+
+# What a caller adds to the report, given the output directory, before report.json.
+Annotate = Callable[[Report, Path], None]
 
 PART_META = "part.json"
 PART_FORMAT_VERSION = 2
@@ -92,13 +94,12 @@ def list_parts(weight_map: Mapping[str, str], shards_per_part: int = 1) -> list[
     ]
 
 
-def source_parts(path: Path, shards_per_part: int = 1) -> list[Part]:
-    """The parts of the checkpoint directory `path` (one part holding model.safetensors when
-    it has no shard index)."""
-    weight_map = read_weight_map(path)
-    if weight_map is None:
+def source_parts(model: ResolvedModel, shards_per_part: int = 1) -> list[Part]:
+    """The parts of the checkpoint (one part holding model.safetensors when it has no shard
+    index)."""
+    if model.weight_map is None:
         return [Part(0, ("model.safetensors",))]
-    return list_parts(weight_map, shards_per_part)
+    return list_parts(model.weight_map, shards_per_part)
 
 
 def shard_name(i: int, n: int) -> str:
@@ -128,25 +129,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _all_keys(path: Path) -> list[str]:
-    """Every tensor name of the source, from its shard index (no shard is opened)."""
-    weight_map = read_weight_map(path)
-    if weight_map is None:
-        raise CorruptCheckpointError(f"{str(path)!r} has no {SHARD_INDEX}; it is not sharded")
-    return list(weight_map)
-
-
-def _plans(
-    path: Path, hf_config: Any, config: HiggsConfig
-) -> tuple[list[LayerSpec], list[LayerPlan]]:
-    specs = scope_specs(hf_config, _all_keys(path), config.scope)
+def _plans(model: ResolvedModel, config: HiggsConfig) -> tuple[list[LayerSpec], list[LayerPlan]]:
+    if model.weight_map is None:
+        raise CorruptCheckpointError(f"{str(model.path)!r} has no {SHARD_INDEX}; it is not sharded")
+    specs = model.specs(config.scope)
     return specs, plan_layers(specs, config)
 
 
-def planned_layers(path: Path, parts: Sequence[Part], config: HiggsConfig) -> dict[int, int]:
+def planned_layers(
+    model: ResolvedModel, parts: Sequence[Part], config: HiggsConfig
+) -> dict[int, int]:
     """{part index: layers it quantizes} from the shard index alone (for progress totals)."""
-    weight_map = read_weight_map(path) or {}
-    _, plans = _plans(path, load_config(path), config)
+    weight_map = model.weight_map or {}
+    _, plans = _plans(model, config)
     where = {shard: p.index for p in parts for shard in p.shards}
     out = {p.index: 0 for p in parts}
     for pl in plans:
@@ -168,108 +163,52 @@ class PartResult:
     seconds: float
 
 
-def _local_context(
-    source: str | Path,
+def part_context(
+    model: ResolvedModel,
     out_dir: Path,
     config: HiggsConfig,
-    progress: ProgressCallback | None,
-    device: str | None,
+    progress: ProgressCallback | None = None,
+    device: str | None = None,
 ) -> RunContext:
-    """The run context for a source already on local disk (nothing to resolve)."""
+    """The run context of one part (or of the assembly) of `model` into `out_dir`."""
     from higgs_engine.device import resolve_device
 
     return RunContext(
-        source=source,
-        tmp=out_dir,
+        model=model,
+        tmp=Path(out_dir),
         config=config,
         progress=progress,
-        revision=None,
-        token=None,
-        cache_dir=None,
-        hub_cache_dir=None,
-        local_files_only=True,
         device=resolve_device(device or "cpu"),
     )
 
 
-def quantize_part(
-    source: Path,
-    part: Part,
-    out_dir: Path,
-    config: HiggsConfig,
-    progress: ProgressCallback | None = None,
-    *,
-    device: str | None = None,
-    n_parts: int | None = None,
-) -> PartResult:
-    """Quantize the tensors of `part`'s shards of the sharded checkpoint directory `source`
-    into `out_dir` (which must not exist; removed again on any error or cancellation).
+def quantize_part(ctx: RunContext, part: Part, n_parts: int | None = None) -> PartResult:
+    """Quantize the tensors of `part`'s shards of the sharded checkpoint ctx.model into
+    ctx.tmp (which must not exist; removed again on any error or cancellation).
 
-    out_dir gets, per format, the part's shard under its name in the assembled artifact
+    ctx.tmp gets, per format, the part's shard under its name in the assembled artifact
     (`<format>/model-0000{i+1}-of-0000N.safetensors`; n_parts: how many parts the source is
     split into, default one per shard) and part.json, whose "files" lists each shard's path,
-    bytes and sha256. Only the part's shards are opened (plus config.json and the shard
-    index). progress is called with stage "quantizing" (done/total = this part's layers);
-    returning False cancels.
+    bytes and sha256. Only the part's shards are opened (the model's config and shard index
+    were read when it was resolved). ctx.progress is called with stage "quantizing"
+    (done/total = this part's layers); returning False cancels.
     """
-    from higgs_engine.artifacts import ArtifactWriter
-
     t0 = time.perf_counter()
-    source = Path(source)
-    out_dir = Path(out_dir)
+    out_dir = ctx.tmp
     if out_dir.exists():
         raise FileExistsError(f"part output {str(out_dir)!r} already exists")
-    hf_config = load_config(source)
-    _, plans = _plans(source, hf_config, config)
+    _, plans = _plans(ctx.model, ctx.config)
     if n_parts is None:
-        n_parts = len(source_parts(source))
+        n_parts = len(source_parts(ctx.model))
     if not 0 <= part.index < n_parts:
         raise InvalidConfigError(f"part index {part.index} is not one of {n_parts} parts")
     with_grids = any(pl.grid is not None for pl in plans)
-    names = part_shard_files(part.index, n_parts, config.formats, with_grids)
-    ctx = _local_context(source, out_dir, config, progress, device)
+    names = part_shard_files(part.index, n_parts, ctx.config.formats, with_grids)
     out_dir.mkdir(parents=True)
     try:
-        with CheckpointReader(source, files=part.shards) as reader:
-            mine = [pl for pl in plans if pl.spec.key in reader]
-            total = sum(1 for pl in mine if pl.grid is not None)
-            report(progress, "quantizing", 0, total)
-            writer = ArtifactWriter(
-                out_dir, config.formats, config.dtype, source, config.to_dict(),
-                grids_in_native=False,
-            )  # fmt: skip
-            try:
-                rows = stream_tensors(ctx, reader, mine, writer, {}, total)
-                sizes = writer.finish_part()
-            except BaseException:
-                writer.abort()
-                raise
-            files: dict[str, dict[str, Any]] = {}
-            for fmt, rel in names.items():
-                os.replace(out_dir / fmt / "model.safetensors", out_dir / rel)
-                files[rel] = {"bytes": (out_dir / rel).stat().st_size}
-                files[rel]["sha256"] = _sha256(out_dir / rel)
-            keys = reader.keys()
-            grid_bytes = writer.grid_bytes
-            meta: dict[str, Any] = {
-                "format_version": PART_FORMAT_VERSION,
-                **part.to_dict(),
-                "n_parts": n_parts,
-                "files": files,
-                "config": config.to_dict(),
-                "keys": keys,
-                "params": sum(reader.numel(k) for k in keys),
-                "bytes_before": reader.total_bytes,
-                "native_bytes": writer.native_bytes - grid_bytes,
-                "grids": [list(g) for g in writer.grids_used],
-                "layers": writer.layers_config(),
-                "kept": writer.kept_layers,
-                "rows": {name: row.__dict__ for name, row in rows.items()},
-                "tensors": {
-                    fmt: {"names": writer.tensor_names(fmt), "bytes": sizes[fmt]}
-                    for fmt in config.formats
-                },
-            }
+        with CheckpointReader(ctx.model.path, files=part.shards) as reader:
+            meta = _write_part(ctx, reader, [pl for pl in plans if pl.spec.key in reader], names)
+        meta.update({**part.to_dict(), "n_parts": n_parts})
         seconds = time.perf_counter() - t0
         meta["seconds"] = round(seconds, 6)
         (out_dir / PART_META).write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -277,6 +216,50 @@ def quantize_part(
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
+
+
+def _write_part(
+    ctx: RunContext, reader: CheckpointReader, mine: list[LayerPlan], names: dict[str, str]
+) -> dict[str, Any]:
+    """The part's tensors streamed into its shard files (renamed to `names`); returns the
+    part's metadata but its index, shards and seconds."""
+    from higgs_engine.artifacts import ArtifactWriter
+
+    config, out_dir = ctx.config, ctx.tmp
+    total = sum(1 for pl in mine if pl.grid is not None)
+    report(ctx.progress, "quantizing", 0, total)
+    writer = ArtifactWriter(
+        out_dir, config.formats, config.dtype, ctx.model.path, config.to_dict(),
+        grids_in_native=False,
+    )  # fmt: skip
+    try:
+        rows = stream_tensors(ctx, reader, mine, writer, {}, total)
+        sizes = writer.finish_part()
+    except BaseException:
+        writer.abort()
+        raise
+    files: dict[str, dict[str, Any]] = {}
+    for fmt, rel in names.items():
+        os.replace(out_dir / fmt / "model.safetensors", out_dir / rel)
+        files[rel] = {"bytes": (out_dir / rel).stat().st_size}
+        files[rel]["sha256"] = _sha256(out_dir / rel)
+    keys = reader.keys()
+    return {
+        "format_version": PART_FORMAT_VERSION,
+        "files": files,
+        "config": config.to_dict(),
+        "keys": keys,
+        "params": sum(reader.numel(k) for k in keys),
+        "bytes_before": reader.total_bytes,
+        "native_bytes": writer.native_bytes - writer.grid_bytes,
+        "grids": [list(g) for g in writer.grids_used],
+        "layers": writer.layers_config(),
+        "kept": writer.kept_layers,
+        "rows": {name: row.__dict__ for name, row in rows.items()},
+        "tensors": {
+            fmt: {"names": writer.tensor_names(fmt), "bytes": sizes[fmt]} for fmt in config.formats
+        },
+    }
 
 
 def read_part(part_dir: Path) -> dict[str, Any]:
@@ -336,40 +319,27 @@ def check_parts(metas: Sequence[Mapping[str, Any]], config: HiggsConfig) -> list
 
 
 def assemble_metadata(
-    source: Path,
-    metas: Sequence[Mapping[str, Any]],
-    out_dir: Path,
-    config: HiggsConfig,
-    progress: ProgressCallback | None = None,
-    *,
-    resolved: ResolvedSource | None = None,
-    timings: Mapping[str, float] | None = None,
-    device: str | None = None,
-    annotate: Callable[[Report, Path], None] | None = None,
+    ctx: RunContext, metas: Sequence[Mapping[str, Any]], annotate: Annotate | None = None
 ) -> Report:
-    """The small files of the artifacts assembled from every part of a sharded source, written
-    into `out_dir` (which must not exist): per format the shard index (weight map and total
-    size), config.json and the tokenizer files, the native grids shard, and report.json.
-    Returns the run's Report. `annotate(report, out_dir)` (the caller's additions) runs before
-    report.json is written, which happens once.
+    """The small files of the artifacts assembled from every part of the sharded checkpoint
+    ctx.model, written into ctx.tmp (which must not exist): per format the shard index
+    (weight map and total size), config.json and the tokenizer files, the native grids shard,
+    and report.json. Returns the run's Report. `annotate(report, ctx.tmp)` (the caller's
+    additions) runs before report.json is written, which happens once.
 
     Nothing of the parts' shards is read: `metas` is every part's part.json (in any order),
     whose "files" give each shard's size; the shards themselves go beside these files under
     the names part.json lists (assemble_parts moves them; a fanned-out job's parts wrote them
-    where the artifact is published). `source` needs only config.json, the shard index and
-    the tokenizer files. The report's metrics["parts"] lists each part (index, shards,
-    seconds) and its `files` every file of each format, the parts' shards included."""
-    rep = _assemble_small_files(
-        source, metas, out_dir, config, progress, resolved=resolved, timings=timings, device=device
-    )
-    _finish_report(rep, Path(out_dir), annotate)
-    report(progress, "packaging", 1, 1)
+    where the artifact is published). The model's directory needs only config.json, the shard
+    index and the tokenizer files. The report's metrics["parts"] lists each part (index,
+    shards, seconds) and its `files` every file of each format, the parts' shards included."""
+    rep = _assemble_small_files(ctx, metas)
+    _finish_report(rep, ctx.tmp, annotate)
+    report(ctx.progress, "packaging", 1, 1)
     return rep
 
 
-def _finish_report(
-    rep: Report, out_dir: Path, annotate: Callable[[Report, Path], None] | None
-) -> None:
+def _finish_report(rep: Report, out_dir: Path, annotate: Annotate | None) -> None:
     """The caller's annotations, then report.json (the one write); `out_dir` goes on error."""
     try:
         if annotate is not None:
@@ -380,65 +350,20 @@ def _finish_report(
         raise
 
 
-def _assemble_small_files(
-    source: Path,
-    metas: Sequence[Mapping[str, Any]],
-    out_dir: Path,
-    config: HiggsConfig,
-    progress: ProgressCallback | None = None,
-    *,
-    resolved: ResolvedSource | None = None,
-    timings: Mapping[str, float] | None = None,
-    device: str | None = None,
-) -> Report:
+def _assemble_small_files(ctx: RunContext, metas: Sequence[Mapping[str, Any]]) -> Report:
     """assemble_metadata's files but report.json; returns the report to write."""
-    from higgs_engine.formats.native import quantization_config
-    from higgs_engine.sources import ResolvedSource
-
     t0 = time.perf_counter()
-    source = Path(source)
+    config = ctx.config
     ordered = check_parts(metas, config)
-    n = len(ordered)
-    report(progress, "packaging", 0, 1)
-    hf_config = load_config(source)
-    specs, plans = _plans(source, hf_config, config)
+    report(ctx.progress, "packaging", 0, 1)
+    specs, plans = _plans(ctx.model, config)
     grids = sorted({(int(p), int(q)) for m in ordered for p, q in m["grids"]})
     planned = sorted({(int(pl.grid[0]), int(pl.grid[1])) for pl in plans if pl.grid is not None})
     if grids != planned:
         raise CorruptCheckpointError(f"the parts used the grids {grids}, the plan has {planned}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=False)
+    ctx.tmp.mkdir(parents=True, exist_ok=False)
     try:
-        files: dict[str, dict[str, int]] = {}
-        grid_bytes = 0
-        counts = shard_counts(n, config.formats, bool(grids))
-        for fmt in config.formats:
-            fmt_dir = out_dir / fmt
-            fmt_dir.mkdir()
-            count = counts[fmt]
-            weight_map: dict[str, str] = {}
-            sizes: dict[str, int] = {}
-            total_size = 0
-            for i, m in enumerate(ordered):
-                name = shard_name(i, count)
-                weight_map.update(dict.fromkeys(m["tensors"][fmt]["names"], name))
-                total_size += int(m["tensors"][fmt]["bytes"])
-                sizes[name] = int(m["files"][f"{fmt}/{name}"]["bytes"])
-            if count > n:
-                grid_bytes, names = _write_grid_shard(fmt_dir / shard_name(n, count), grids)
-                weight_map.update(dict.fromkeys(names, shard_name(n, count)))
-                total_size += grid_bytes
-            _write_index(fmt_dir, weight_map, total_size)
-            layers = {k: v for m in ordered for k, v in m["layers"].items()}
-            kept = [k for m in ordered for k in m["kept"]]
-            qc = quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
-            format_writer(fmt).write_configs(fmt_dir, source, config.dtype, qc)
-            sizes.update({p.name: p.stat().st_size for p in fmt_dir.iterdir()})
-            files[fmt] = dict(sorted(sizes.items()))
-        if not grid_bytes and grids:
-            from higgs_engine.grids import get_grid
-
-            grid_bytes = sum(get_grid(p, q).numel() * 4 for p, q in grids)
+        files, grid_bytes = _write_small_files(ctx, ordered, grids)
         rows = {name: LayerReport(**row) for m in ordered for name, row in m["rows"].items()}
         missing = [s.name for s in specs if s.name not in rows]
         if missing:
@@ -452,66 +377,86 @@ def _assemble_small_files(
             params_total=sum(int(m["params"]) for m in ordered),
             calibration=None,
         )
-        ctx = _local_context(
-            resolved.id if resolved is not None else source, out_dir, config, progress, device
-        )
-        ctx.timings.update(timings or {})
         ctx.timings["quantizing"] = ctx.timings.get(
             "quantizing", sum(float(m["seconds"]) for m in ordered)
         )
         ctx.timings["packaging"] = time.perf_counter() - t0
-        src = resolved or ResolvedSource(source, str(source), None, "local")
-        rep = build_report(ctx, src, hf_config, specs, plans, written)
+        rep = build_report(ctx, specs, plans, written)
         rep.metrics["parts"] = [
             {"index": m["index"], "shards": m["shards"], "seconds": m["seconds"]} for m in ordered
         ]
     except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(ctx.tmp, ignore_errors=True)
         raise
     return rep
 
 
+def _write_small_files(
+    ctx: RunContext, ordered: list[dict[str, Any]], grids: list[tuple[int, int]]
+) -> tuple[dict[str, dict[str, int]], int]:
+    """Per format: the shard index, the configs and tokenizer files, the native grids shard.
+    Returns ({format: {file: bytes}}, the grids' bytes)."""
+    from higgs_engine.formats.native import quantization_config
+
+    config, n = ctx.config, len(ordered)
+    files: dict[str, dict[str, int]] = {}
+    grid_bytes = 0
+    counts = shard_counts(n, config.formats, bool(grids))
+    for fmt in config.formats:
+        fmt_dir = ctx.tmp / fmt
+        fmt_dir.mkdir()
+        count = counts[fmt]
+        weight_map: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        total_size = 0
+        for i, m in enumerate(ordered):
+            name = shard_name(i, count)
+            weight_map.update(dict.fromkeys(m["tensors"][fmt]["names"], name))
+            total_size += int(m["tensors"][fmt]["bytes"])
+            sizes[name] = int(m["files"][f"{fmt}/{name}"]["bytes"])
+        if count > n:
+            grid_bytes, names = _write_grid_shard(fmt_dir / shard_name(n, count), grids)
+            weight_map.update(dict.fromkeys(names, shard_name(n, count)))
+            total_size += grid_bytes
+        _write_index(fmt_dir, weight_map, total_size)
+        layers = {k: v for m in ordered for k, v in m["layers"].items()}
+        kept = [k for m in ordered for k in m["kept"]]
+        qc = quantization_config(config.dtype, config.to_dict(), grids, layers, kept)
+        format_writer(fmt).write_configs(fmt_dir, ctx.model.path, config.dtype, qc)
+        sizes.update({p.name: p.stat().st_size for p in fmt_dir.iterdir()})
+        files[fmt] = dict(sorted(sizes.items()))
+    if not grid_bytes and grids:
+        from higgs_engine.grids import get_grid
+
+        grid_bytes = sum(get_grid(p, q).numel() * 4 for p, q in grids)
+    return files, grid_bytes
+
+
 def assemble_parts(
-    source: Path,
+    ctx: RunContext,
     part_dirs: Sequence[Path],
-    out_dir: Path,
-    config: HiggsConfig,
-    progress: ProgressCallback | None = None,
-    *,
-    resolved: ResolvedSource | None = None,
+    annotate: Annotate | None = None,
     move: bool = False,
-    timings: Mapping[str, float] | None = None,
-    device: str | None = None,
-    annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
-    """Assemble every part of a sharded source into `out_dir` (which must not exist) and
-    return the run's Report (also written as out_dir/report.json).
+    """Assemble every part of a sharded checkpoint into ctx.tmp (which must not exist) and
+    return the run's Report (also written as report.json there).
 
     The small files come as assemble_metadata's; each part's shards (in `part_dirs`, every
     part's output directory in any order) go beside them, moved with move=True (one rename
-    each), else copied. Then `annotate(report, out_dir)` (the artifacts complete) and the one
+    each), else copied. Then `annotate(report, ctx.tmp)` (the artifacts complete) and the one
     write of report.json."""
     metas = [read_part(d) for d in part_dirs]
     where = {int(m["index"]): Path(d) for m, d in zip(metas, part_dirs, strict=True)}
-    rep = _assemble_small_files(
-        source,
-        metas,
-        out_dir,
-        config,
-        progress,
-        resolved=resolved,
-        timings=timings,
-        device=device,
-    )
+    rep = _assemble_small_files(ctx, metas)
     try:
         for m in metas:
             for rel in sorted(m["files"]):
-                _place(where[int(m["index"])] / rel, Path(out_dir) / rel, move)
+                _place(where[int(m["index"])] / rel, ctx.tmp / rel, move)
     except BaseException:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.rmtree(ctx.tmp, ignore_errors=True)
         raise
-    _finish_report(rep, Path(out_dir), annotate)
-    report(progress, "packaging", 1, 1)
+    _finish_report(rep, ctx.tmp, annotate)
+    report(ctx.progress, "packaging", 1, 1)
     return rep
 
 

@@ -1,5 +1,8 @@
-"""quantize_checkpoint: the uniform stage of higgs_engine.job.run (the entry point the CLI and
-the service call).
+"""The whole-checkpoint stage of higgs_engine.job.run (the entry point the CLI and the service
+call): `quantize_whole` quantizes every tensor of a resolved model into a directory;
+`quantize_checkpoint` is the same stage on its own (resolve, then quantize into an atomic
+output), for a library caller with one config. A sharded source run by the entry point goes
+part by part instead (higgs_engine.parts, driven by higgs_engine.job).
 
 Streaming: tensors are read one at a time from the source safetensors, quantized (or cast to
 16 bits) and appended to the output files, so peak memory is bounded by the largest tensor
@@ -16,13 +19,12 @@ shared with the part-by-part runs of higgs_engine.parts.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from higgs_engine.model_structure import LayerSpec, load_config, scope_specs
+from higgs_engine.model_structure import LayerSpec
 from higgs_engine.output import atomic_output
 from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.progress import ProgressCallback, report
@@ -35,8 +37,8 @@ from higgs_engine.run_core import (
     plan_layers,
     stream_tensors,
 )
-from higgs_engine.safetensors_stream import CheckpointReader, read_weight_map
-from higgs_engine.sources import ResolvedSource, resolve_source
+from higgs_engine.safetensors_stream import CheckpointReader
+from higgs_engine.sources import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
     import torch
@@ -51,13 +53,10 @@ if TYPE_CHECKING:
 
 
 def calibrate_layers(
-    path: Path,
-    hf_config: object,
+    ctx: RunContext,
     reader: CheckpointReader,
     todo: list[LayerPlan],
-    config: HiggsConfig,
     calibration: Calibration,
-    progress: ProgressCallback | None = None,
 ) -> tuple[dict[str, QuantizedMatrix], dict[str, object]]:
     """Calibrated HIGGS of every planned layer: GPTQ with the layer's HIGGS grid and the Hessian
     of its inputs from the block-by-block pass. Returns ({name: q}, the report's calibration
@@ -67,6 +66,7 @@ def calibrate_layers(
     from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
     from higgs_engine.methods import METHODS, Precision
 
+    config = ctx.config
     # The token embedding and an output head (scope "all") are quantized without data.
     todo = [pl for pl in todo if pl.spec.role == "linear"]
     grids: dict[str, tuple[int, int]] = {
@@ -91,7 +91,7 @@ def calibrate_layers(
         return [w_hats[s.name] for s in group]
 
     outside = run_calibrated(
-        path, hf_config, reader, [pl.spec for pl in todo], calibration, quantize, progress
+        ctx.model, reader, [pl.spec for pl in todo], calibration, quantize, ctx.progress
     )
     info: dict[str, object] = {
         **calibration.describe(),
@@ -105,27 +105,23 @@ def calibrate_layers(
 
 
 # ---------------------------------------------------------------------------------------------
-# The pipeline
+# The whole checkpoint
 # ---------------------------------------------------------------------------------------------
 
 
 def quantize_checkpoint(
-    source: str | Path,
+    source: str | Path | ResolvedModel,
     out_dir: Path,
     config: HiggsConfig,
     progress: ProgressCallback | None = None,
     *,
-    revision: str | None = None,
-    token: str | None = None,
-    overwrite: bool = False,
-    cache_dir: Path | None = None,
-    hub_cache_dir: Path | None = None,
-    local_files_only: bool = False,
     device: str | None = None,
     calibration: Calibration | None = None,
+    overwrite: bool = False,
     annotate: Callable[[Report, Path], None] | None = None,
 ) -> Report:
-    """Quantize `source` (local dir, .gguf file or Hub id) into `out_dir` and return the Report.
+    """Quantize `source` (local dir, .gguf file, Hub id, or a model resolved already) into
+    `out_dir` as one run over the whole checkpoint and return the Report.
 
     Writes out_dir/native/, out_dir/dequantized/ (as config.formats says) and out_dir/report.json.
     progress(stage, done, total) is called for stages resolving, loading, quantizing (done/total =
@@ -143,48 +139,40 @@ def quantize_checkpoint(
     directory is renamed to `out_dir`.
     """
     from higgs_engine.device import resolve_device
+    from higgs_engine.output import check_out_dir
 
+    check_out_dir(Path(out_dir), overwrite)  # before any work: an existing output is refused
+    t0 = time.perf_counter()
+    report(progress, "resolving", 0, 1)
+    model = resolve_model(source)
+    report(progress, "resolving", 1, 1)
     dev = resolve_device(device or "cpu")
     with atomic_output(out_dir, overwrite) as tmp:
-        return _run(
-            RunContext(
-                source=source,
-                tmp=tmp,
-                config=config,
-                progress=progress,
-                revision=revision,
-                token=token,
-                cache_dir=cache_dir,
-                hub_cache_dir=hub_cache_dir,
-                local_files_only=local_files_only,
-                device=dev,
-            ),
-            calibration,
-            annotate,
-        )
+        ctx = RunContext(model=model, tmp=tmp, config=config, progress=progress, device=dev)
+        ctx.timings["resolving"] = time.perf_counter() - t0
+        return quantize_whole(ctx, calibration, annotate, started=t0)
 
 
-def _run(
+def quantize_whole(
     ctx: RunContext,
-    calibration: Calibration | None,
+    calibration: Calibration | None = None,
     annotate: Callable[[Report, Path], None] | None = None,
+    started: float | None = None,
 ) -> Report:
-    t_start = time.perf_counter()
-    src = _resolve(ctx)
-    weight_map = read_weight_map(src.path)
-    if calibration is None and weight_map is not None and len(set(weight_map.values())) > 1:
-        return _run_parts(ctx, src, t_start, annotate)
+    """Every tensor of ctx.model, read in file order, quantized (calibrated with `calibration`)
+    or cast into ctx.tmp (created here); then `annotate` and the one write of report.json.
+    `started`: when the run began (perf_counter), for timings["total"]."""
+    t_start = time.perf_counter() if started is None else started
     t0 = time.perf_counter()
     report(ctx.progress, "loading", 0, 1)
-    hf_config = load_config(src.path)
-    with CheckpointReader(src.path) as reader:
-        specs = scope_specs(hf_config, reader.keys(), ctx.config.scope)
+    with CheckpointReader(ctx.model.path) as reader:
+        specs = ctx.model.specs(ctx.config.scope)
         plans = plan_layers(specs, ctx.config)
         report(ctx.progress, "loading", 1, 1)
         ctx.timings["loading"] = time.perf_counter() - t0
-        written = _write_artifacts(ctx, calibration, src.path, hf_config, reader, plans)
+        written = _write_artifacts(ctx, calibration, reader, plans)
     ctx.timings["total"] = time.perf_counter() - t_start
-    rep = build_report(ctx, src, hf_config, specs, plans, written)
+    rep = build_report(ctx, specs, plans, written)
     if annotate is not None:
         annotate(rep, ctx.tmp)
     rep.save(ctx.tmp / "report.json")
@@ -192,80 +180,9 @@ def _run(
     return rep
 
 
-def _run_parts(
-    ctx: RunContext,
-    src: ResolvedSource,
-    t_start: float,
-    annotate: Callable[[Report, Path], None] | None = None,
-) -> Report:
-    """A sharded source (data-free): one part per shard, one after the other, assembled into
-    sharded artifacts (higgs_engine.parts) exactly as parts run by many workers would be."""
-    from higgs_engine.parts import assemble_parts, planned_layers, quantize_part, source_parts
-
-    t0 = time.perf_counter()
-    report(ctx.progress, "loading", 0, 1)
-    parts = source_parts(src.path)
-    totals = planned_layers(src.path, parts, ctx.config)
-    report(ctx.progress, "loading", 1, 1)
-    ctx.timings["loading"] = time.perf_counter() - t0
-    total = sum(totals.values())
-    scratch = ctx.tmp.with_name(ctx.tmp.name + ".parts")
-    try:
-        t0 = time.perf_counter()
-        dirs = []
-        offset = 0
-        for part in parts:
-
-            def progress(stage: str, done: int, _total: int, offset: int = offset) -> bool | None:
-                if ctx.progress is None:
-                    return None
-                return ctx.progress(stage, offset + done, total)
-
-            d = scratch / f"part-{part.index:05d}"
-            quantize_part(
-                src.path, part, d, ctx.config, progress, device=str(ctx.device), n_parts=len(parts)
-            )
-            dirs.append(d)
-            offset += totals[part.index]
-        ctx.timings["quantizing"] = time.perf_counter() - t0
-        ctx.timings["total"] = time.perf_counter() - t_start
-        return assemble_parts(
-            src.path,
-            dirs,
-            ctx.tmp,
-            ctx.config,
-            ctx.progress,
-            resolved=ResolvedSource(src.path, str(ctx.source), src.revision, src.kind),
-            move=True,
-            timings=ctx.timings,
-            device=str(ctx.device),
-            annotate=annotate,
-        )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _resolve(ctx: RunContext) -> ResolvedSource:
-    t0 = time.perf_counter()
-    report(ctx.progress, "resolving", 0, 1)
-    src = resolve_source(
-        ctx.source,
-        ctx.revision,
-        ctx.token,
-        cache_dir=ctx.cache_dir,
-        hub_cache_dir=ctx.hub_cache_dir,
-        local_files_only=ctx.local_files_only,
-    )
-    report(ctx.progress, "resolving", 1, 1)
-    ctx.timings["resolving"] = time.perf_counter() - t0
-    return src
-
-
 def _write_artifacts(
     ctx: RunContext,
     calibration: Calibration | None,
-    path: Path,
-    hf_config: object,
     reader: CheckpointReader,
     plans: list[LayerPlan],
 ) -> Written:
@@ -277,15 +194,13 @@ def _write_artifacts(
     report(ctx.progress, "quantizing", 0, len(todo))
     ctx.tmp.mkdir()
     config = ctx.config
-    writer = ArtifactWriter(ctx.tmp, config.formats, config.dtype, path, config.to_dict())
+    writer = ArtifactWriter(ctx.tmp, config.formats, config.dtype, ctx.model.path, config.to_dict())
     try:
         calibrated: dict[str, QuantizedMatrix] = {}
         cal_info: dict[str, object] | None = None
         if calibration is not None:
             t_cal = time.perf_counter()
-            calibrated, cal_info = calibrate_layers(
-                path, hf_config, reader, todo, config, calibration, ctx.progress
-            )
+            calibrated, cal_info = calibrate_layers(ctx, reader, todo, calibration)
             ctx.timings["calibrating"] = time.perf_counter() - t_cal
         rows = stream_tensors(ctx, reader, plans, writer, calibrated, len(todo))
         ctx.timings["quantizing"] = time.perf_counter() - t0

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ from higgs_engine.planning.profile import (
     LayerAlpha,
     Profile,
     ProfileConfig,
+    ProfileRequest,
     profile_key,
     resolve_profile_config,
 )
@@ -496,33 +498,36 @@ def _resumable(old: Profile, names: Sequence[str], config: ProfileConfig) -> boo
     return config.method == "noise" and done == list(names[: len(done)])
 
 
-def compute_profile(
-    model: nn.Module,
-    names: Sequence[str],
-    windows: torch.Tensor,
-    config: ProfileConfig,
-    *,
-    model_id: str,
-    revision: str | None,
-    calibration: str,
-    partial_path: Path | None = None,
-    progress: ProgressCallback | None = None,
-) -> Profile:
-    """Measure a profile of `model` (loaded once, float32) over `windows`.
+@dataclass(frozen=True)
+class ProfileRun:
+    """What a measurement is of and where it goes: `request` (the model's id and revision,
+    the calibration id, the config, the layers to measure), `partial_path` (a partial
+    profile there is resumed and rewritten after every layer; None: no resuming) and
+    `progress`."""
 
-    With `partial_path`, a partial profile with the same key found there is resumed, and the
-    profile is rewritten there after every layer (noise method), so an interrupted run
+    request: ProfileRequest
+    partial_path: Path | None = None
+    progress: ProgressCallback | None = None
+
+
+def compute_profile(model: nn.Module, run: ProfileRun, windows: torch.Tensor) -> Profile:
+    """Measure a profile of `model` (loaded once, float32) over `windows` for run.request.
+
+    With run.partial_path, a partial profile with the same key found there is resumed, and
+    the profile is rewritten there after every layer (noise method), so an interrupted run
     continues where it stopped.
     """
     from higgs_engine.model_structure import max_positions, model_kind
 
+    req, partial_path = run.request, run.partial_path
+    names = list(req.layers)
     cfg: Any = model.config
-    config = resolve_profile_config(config, model_kind(cfg), max_positions(cfg))
-    key = profile_key(model_id, revision, calibration, config)
+    config = resolve_profile_config(req.config, model_kind(cfg), max_positions(cfg))
+    key = profile_key(req.model, req.revision, req.calibration, config)
     prof = Profile(
-        model=model_id,
-        revision=revision,
-        calibration=calibration,
+        model=req.model,
+        revision=req.revision,
+        calibration=req.calibration,
         config=config.to_dict(),
         layers=[],
         base={},
@@ -540,6 +545,15 @@ def compute_profile(
             if _resumable(old, names, config):
                 old.complete = False  # a complete profile of fewer layers is extended
                 prof = old
+    return _measure(model, prof, config, windows, run)
+
+
+def _measure(
+    model: nn.Module, prof: Profile, config: ProfileConfig, windows: torch.Tensor, run: ProfileRun
+) -> Profile:
+    """compute_profile's measurement into `prof` (empty, or a partial one resumed)."""
+    partial_path, progress = run.partial_path, run.progress
+    names = list(run.request.layers)
     start = time.perf_counter()
     spent = float(prof.cost.get("seconds", 0.0))
     fw0 = int(prof.cost.get("forward_passes", 0))

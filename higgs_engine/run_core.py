@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from higgs_engine.artifacts import ArtifactWriter
     from higgs_engine.quantize import QuantizedMatrix
     from higgs_engine.safetensors_stream import CheckpointReader
-    from higgs_engine.sources import ResolvedSource
+    from higgs_engine.sources import ResolvedModel
 
 __all__ = [
     "LayerPlan",
@@ -81,18 +81,14 @@ def plan_layers(specs: list[LayerSpec], config: HiggsConfig) -> list[LayerPlan]:
 
 @dataclass
 class RunContext:
-    """What one run (quantize_checkpoint, or one part of it) works with; `timings` fills in
+    """What one run (the whole checkpoint, one part of it, or the assembly) works with: the
+    model resolved once, the output directory, the config, where it runs; `timings` fills in
     stage by stage."""
 
-    source: str | Path
-    tmp: Path  # the temporary output directory, renamed to out_dir at the end
+    model: ResolvedModel
+    tmp: Path  # the output directory (the staged one, renamed to the output at the end)
     config: HiggsConfig
     progress: ProgressCallback | None
-    revision: str | None
-    token: str | None
-    cache_dir: Path | None
-    hub_cache_dir: Path | None
-    local_files_only: bool
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)
     # The registered method (higgs_engine.methods.METHODS) that quantizes each planned layer
@@ -189,14 +185,10 @@ def _layer_row(
 
 
 def build_report(
-    ctx: RunContext,
-    src: ResolvedSource,
-    hf_config: Any,
-    specs: list[LayerSpec],
-    plans: list[LayerPlan],
-    written: Written,
+    ctx: RunContext, specs: list[LayerSpec], plans: list[LayerPlan], written: Written
 ) -> Report:
     config = ctx.config
+    model = ctx.model
     layers = [written.rows[s.name] for s in specs]
     # bits_per_weight stays over the linear layers whatever the scope (the grids counted there)
     linear = [s for s in specs if s.role == "linear"]
@@ -234,11 +226,11 @@ def build_report(
         timings=ctx.timings,
         config=config.to_dict(),
         source={
-            "id": str(ctx.source),
-            "revision": src.revision,
-            "kind": src.kind,
-            "architecture": (getattr(hf_config, "architectures", None) or [None])[0],
-            "model_type": hf_config.model_type,
+            "id": model.id,
+            "revision": model.revision,
+            "kind": model.kind,
+            "architecture": model.architecture,
+            "model_type": model.hf_config.model_type,
         },
         versions=versions(),
         seed=config.seed,

@@ -6,13 +6,15 @@ safetensors checkpoint, since transformers can only load GGUF whole) or a Huggin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from higgs_engine.errors import (
     ModelNotFoundError,
@@ -20,7 +22,7 @@ from higgs_engine.errors import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from higgs_engine.model_structure import LayerSpec
 
 SourceKind = Literal["local", "hub", "gguf"]
 
@@ -58,6 +60,163 @@ class ResolvedSource:
     id: str  # what the caller passed (Hub id or local path as given)
     revision: str | None  # resolved commit sha for Hub ids; None for local directories
     kind: SourceKind  # "local", "hub", or "gguf" (converted into a cache directory)
+
+
+class SourceIdentity(Protocol):
+    """What names a resolved model and where it is: ResolvedSource and ResolvedModel both."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def revision(self) -> str | None: ...
+
+    @property
+    def kind(self) -> SourceKind: ...
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model resolved once per run and passed down to every stage (profile, planning, the
+    quantization, calibration, parts, the report): where it is and what it is, read once.
+
+    `path`, `id`, `revision`, `kind` are the ResolvedSource's (id, revision and kind are what
+    the report's source names); `config` is config.json as read (quantization_config
+    dropped), `model_kind` "causal" or "encoder", `keys` every stored tensor name (from the
+    shard index when there is one), `weight_map` the shard index ({tensor: shard file}, None
+    for an unsharded checkpoint), `linear` the quantizable linear layers (keys matched to the
+    stored names) and `embeddings` the token embedding and an untied head (keys as the module
+    names them; `specs("all")` matches them). `profile_id` and `profile_rev` are what the
+    engine's profile stores key the model by (the resolved id, a local model by its absolute
+    path; the revision, or None: the checkpoint's content fingerprint). `hf_config` is the
+    transformers config object the layers were found from."""
+
+    path: Path
+    id: str
+    revision: str | None
+    kind: SourceKind
+    config: dict[str, Any]
+    model_kind: str
+    max_positions: int | None
+    keys: tuple[str, ...]
+    weight_map: dict[str, str] | None
+    linear: tuple[LayerSpec, ...]
+    embeddings: tuple[LayerSpec, ...]
+    prefix: str
+    profile_id: str
+    profile_rev: str | None
+    hf_config: Any = field(compare=False, repr=False)
+
+    @property
+    def sharded(self) -> bool:
+        """The checkpoint has a shard index naming several shard files."""
+        return self.weight_map is not None and len(set(self.weight_map.values())) > 1
+
+    @property
+    def architecture(self) -> str | None:
+        first = (getattr(self.hf_config, "architectures", None) or [None])[0]
+        return None if first is None else str(first)
+
+    @cached_property
+    def profile_revision(self) -> str:
+        """The revision profiles and self-generated text are keyed by: `profile_rev`, else
+        the checkpoint's content fingerprint (computed once)."""
+        from higgs_engine.planning.profile import source_fingerprint
+
+        return self.profile_rev or source_fingerprint(self.path)
+
+    def specs(self, scope: str = "linear") -> list[LayerSpec]:
+        """The layers a run of `scope` quantizes: the linear layers, and with scope "all" the
+        token embedding first and an untied output head last, keys matched to the stored
+        names (model_structure.scope_specs, without building the model again)."""
+        if scope != "all":
+            return list(self.linear)
+        from higgs_engine.model_structure import match_spec_keys
+
+        extra = [match_spec_keys(s, set(self.keys), self.prefix) for s in self.embeddings]
+        return (
+            [s for s in extra if s.role == "embedding"]
+            + list(self.linear)
+            + [s for s in extra if s.role != "embedding"]
+        )
+
+    def layer_names(self, skip: tuple[str, ...] = (), embeddings: bool = False) -> list[str]:
+        """The quantizable linear layers' names less `skip`; with `embeddings` the token
+        embedding and an untied head after them (what a profile covers)."""
+        from higgs_engine.model_structure import is_skipped
+
+        names = [s.name for s in self.linear if not is_skipped(s.name, skip)]
+        if embeddings:
+            names += [s.name for s in self.embeddings if s.name not in names]
+        return names
+
+    def ref(self) -> dict[str, Any]:
+        """The serialisable part: what a job plan records of its source."""
+        return {"path": str(self.path), "id": self.id, "revision": self.revision, "kind": self.kind}
+
+    def named(self, id: str, revision: str | None, kind: SourceKind) -> ResolvedModel:
+        """The same model under the identity a caller gives it (the service's model id, its
+        pinned revision); the profile keys stay the resolution's."""
+        return dataclasses.replace(self, id=id, revision=revision, kind=kind)
+
+
+def describe_model(src: ResolvedSource) -> ResolvedModel:
+    """The ResolvedModel of a resolved source: its config read and its model built on the meta
+    device once, its layers found, its tensor names listed (no weight is read)."""
+    from higgs_engine.model_structure import (
+        build_meta_model,
+        embedding_specs,
+        layer_specs,
+        load_config,
+        max_positions,
+        model_kind,
+    )
+    from higgs_engine.safetensors_stream import CheckpointReader, read_weight_map
+
+    hf_config = load_config(src.path)
+    weight_map = read_weight_map(src.path)
+    if weight_map is not None:
+        keys = list(weight_map)
+    else:
+        with CheckpointReader(src.path) as reader:
+            keys = reader.keys()
+    meta = build_meta_model(hf_config)
+    linear = layer_specs(hf_config, keys, model=meta)
+    embeddings = embedding_specs(hf_config, None, model=meta)
+    raw = hf_config.to_dict()
+    return ResolvedModel(
+        path=src.path,
+        id=src.id,
+        revision=src.revision,
+        kind=src.kind,
+        config=raw,
+        model_kind=model_kind(hf_config),
+        max_positions=max_positions(hf_config),
+        keys=tuple(keys),
+        weight_map=weight_map,
+        linear=tuple(linear),
+        embeddings=tuple(embeddings),
+        prefix=str(getattr(meta, "base_model_prefix", "") or ""),
+        # a local model by its absolute path: "m", "./m" and /abs/m share one cached profile
+        profile_id=src.id if src.kind == "hub" else str(Path(src.id).resolve()),
+        profile_rev=src.revision,
+        hf_config=hf_config,
+    )
+
+
+def resolve_model(
+    source: str | Path | ResolvedModel,
+    revision: str | None = None,
+    token: str | None = None,
+) -> ResolvedModel:
+    """`source` resolved (resolve_source) and described (describe_model): the one resolution
+    of a run. A ResolvedModel is returned as it is."""
+    if isinstance(source, ResolvedModel):
+        return source
+    return describe_model(resolve_source(source, revision, token))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@
   a WordPiece tokenizer that frames text as [CLS] ... [SEP];
 - `make_hub_cache`: a checkpoint laid out as huggingface_hub stores a download;
 - `files_under`: every file below a folder, sorted;
+- `count_calls` / `count_resolutions`: how often a function (a source's resolution) runs;
 - `assert_problem`: an RFC 9457 problem+json response with a given status (and field);
-- `measure_tiny_profile`: a cheap data-free profile of a tiny checkpoint;
+- `measure_tiny_profile`: a cheap data-free profile of a tiny checkpoint (`obtain` and
+  `get_profile`, the engine's obtain_profile called on a path, are in devtools/profiles.py);
 - `serve_app`: the API app served by a real uvicorn server in a thread.
 """
 
@@ -224,6 +226,39 @@ def measure_tiny_profile(checkpoint: Path, out: Path) -> Path:
     if rc != 0:
         raise RuntimeError(f"higgs profile {checkpoint} exited with {rc}")
     return out
+
+
+def count_calls(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Count the calls of module.name wherever a loaded module holds it (imported at module
+    level or at call time alike), through pytest's `monkeypatch`. Returns a one-element list:
+    the count so far."""
+    import sys
+
+    original = getattr(module, name)
+    seen = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen[0] += 1
+        return original(*args, **kwargs)
+
+    for mod in list(sys.modules.values()):
+        if mod is not None and getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, counted)
+    return seen
+
+
+def count_resolutions(monkeypatch: Any) -> dict[str, list[int]]:
+    """How often sources are resolved and described, config.json read and the meta model
+    built, from now on (count_calls of each)."""
+    import higgs_engine.model_structure as ms
+    import higgs_engine.sources as sources
+
+    return {
+        "resolve_source": count_calls(monkeypatch, sources, "resolve_source"),
+        "describe_model": count_calls(monkeypatch, sources, "describe_model"),
+        "load_config": count_calls(monkeypatch, ms, "load_config"),
+        "build_meta_model": count_calls(monkeypatch, ms, "build_meta_model"),
+    }
 
 
 @contextmanager

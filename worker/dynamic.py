@@ -7,7 +7,7 @@
                 profiles table (or the engine's cache directory) already has a complete profile
                 for the same model revision, metric, calibration data and token budget.
     allocating  the exact DP allocator for the job's target over option_menu(options.p)
-    quantizing  the uniform stage with one override per layer (HiggsConfig.overrides)
+    quantizing  the plan's config: one override per layer (HiggsConfig.overrides)
 
 The report gets each layer's alpha and the predicted metric change from the layers' measured
 t^2 (higgs_engine.planning.plans.annotate_report), including which KL -> perplexity conversion
@@ -26,9 +26,8 @@ from app.jobs.job_config import JobConfig
 from app.plans.profiles import find_profiles, profile_payload, store_profile
 from app.settings import Settings
 from higgs_engine.errors import CorruptCheckpointError, InvalidConfigError
-from higgs_engine.planning.config import HiggsConfig
 from higgs_engine.planning.options import option_menu
-from higgs_engine.planning.plans import Target, annotate_report
+from higgs_engine.planning.plans import annotate_report
 from higgs_engine.planning.profile import (
     DEFAULT_PROFILE,
     Profile,
@@ -37,16 +36,15 @@ from higgs_engine.planning.profile import (
     ProfileRequest,
     ProfileStore,
     calibration_id,
+    resolve_profile_config,
     source_fingerprint,
 )
-from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
 from worker.dbretry import retry_db
-from worker.models import ModelSource
 
 if TYPE_CHECKING:
-    from higgs_engine.dynamic import DynamicPlan
-    from higgs_engine.job import ProfileSource
+    from higgs_engine.job import JobPlan, ProfileSource
+    from higgs_engine.sources import ResolvedModel, SourceIdentity
 
 SessionFactory = sessionmaker[Session]
 
@@ -106,7 +104,7 @@ class ProfileSettings:
             ) from e
 
 
-def profile_revision(source: ModelSource) -> str:
+def profile_revision(source: SourceIdentity) -> str:
     """What a profile is keyed by: the Hub commit sha, or a local checkpoint's fingerprint."""
     return source.revision or source_fingerprint(source.path)
 
@@ -120,7 +118,7 @@ class DatabaseProfiles:
     def __init__(
         self,
         sessions: SessionFactory,
-        source: ModelSource,
+        source: SourceIdentity,
         requested_revision: str | None,
         db_retry_s: float = 300.0,
     ) -> None:
@@ -183,7 +181,7 @@ class DatabaseProfiles:
 
 def profile_stores(
     sessions: SessionFactory,
-    source: ModelSource,
+    source: SourceIdentity,
     requested_revision: str | None,
     ps: ProfileSettings,
 ) -> list[ProfileStore]:
@@ -196,7 +194,7 @@ def profile_stores(
 
 def job_profile_source(
     sessions: SessionFactory,
-    source: ModelSource,
+    source: SourceIdentity,
     requested_revision: str | None,
     menu_p: int | None,
     ps: ProfileSettings,
@@ -216,48 +214,25 @@ def job_profile_source(
     )
 
 
-def plan_dynamic_job(
-    sessions: SessionFactory,
-    source: ModelSource,
-    requested_revision: str | None,
-    engine_cfg: HiggsConfig,
-    target: dict[str, float],
-    menu_p: int | None,
-    ps: ProfileSettings,
-    progress: ProgressCallback | None,
-    device: str | None = None,
-) -> DynamicPlan:
-    """The engine's plan_dynamic for the job (job_profile_source, on the job's device): what
-    a fanned-out job's parts quantize with."""
-    from higgs_engine.dynamic import plan_dynamic
-
-    return plan_dynamic(
-        source.path,
-        Target(**target),
-        engine_cfg,
-        job_profile_source(sessions, source, requested_revision, menu_p, ps),
-        progress=progress,
-        device=device,
-    )
-
-
-def profile_entry(planned: DynamicPlan, source: ModelSource) -> dict[str, Any]:
-    """The report's metrics.service.profile of a dynamic job: where its profile came from."""
+def profile_entry(plan: JobPlan, source: SourceIdentity) -> dict[str, Any]:
+    """The report's metrics.service.profile of a dynamic job: where its profile came from
+    (the plan's record of it)."""
+    if plan.dynamic is None:
+        raise InvalidConfigError(f"the job plan is {plan.kind}, not dynamic")
     return {
-        "reused": planned.profile.reused,
-        "seconds": round(planned.profile.seconds, 4),
+        "reused": plan.dynamic.reused,
+        "seconds": round(plan.dynamic.profile_s, 4),
         "revision": profile_revision(source),
     }
 
 
 def annotate_uniform(
-    sessions: SessionFactory, source: ModelSource, ps: ProfileSettings, report: Report
+    sessions: SessionFactory, source: ResolvedModel, ps: ProfileSettings, report: Report
 ) -> None:
     """A uniform job on a model with a cached profile also reports each layer's alpha and the
     predicted metric change from its measured t^2 (never measures a profile for it)."""
-    from higgs_engine.dynamic import profile_config_for
-
-    pc = profile_config_for(source.path, ps.engine_config())  # metric "auto" -> kl or cos
+    # metric "auto" -> kl or cos
+    pc = resolve_profile_config(ps.engine_config(), source.model_kind, source.max_positions)
     request = ProfileRequest(
         source.id, profile_revision(source), calibration_id(ps.text(), pc.seed, pc.data_free), pc
     )

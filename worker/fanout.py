@@ -1,25 +1,27 @@
-"""One job over many workers: a sharded source quantized part by part, then assembled.
+"""One job over many workers: a sharded source quantized part by part, then assembled, all
+by one job plan (higgs_engine.job.JobPlan) made once by the coordinator.
 
-    run_job (the coordinator, worker.runner): claims the job, resolves the model (for a Hub
-        model only its shard index), and when the source has several shards records one
-        job_parts row per part (app.jobs.parts.fan_out) and dispatches a Celery chord:
-        group(run_part(job, attempt, i) for each part) | assemble(job, attempt)
-    run_part (any worker): claims its part (compare-and-set), fetches only its own shards,
-        quantizes them (higgs_engine.parts.quantize_part) with progress + heartbeats on the
-        part row (summed into the job's) and writes its shard files (native and dequantized,
-        named by the part plan: model-0000k-of-0000N.safetensors) straight to where the
-        published artifact will be: the job attempt's artifact location in the store, which
-        no artifact row names until the assembly publishes it (a local store: one rename).
-        The part row records the part's metadata (every file's bytes and sha256, tensor
-        names, layer rows) and the part is done
+    run_job (the coordinator, worker.runner): claims the job, resolves the model once (for a
+        Hub model only its shard index), plans the job (higgs_engine.job.plan; a dynamic
+        target's profile and allocation too) and, when the source has several shards, records
+        one job_parts row per part carrying the plan (app.jobs.parts.fan_out) and dispatches
+        a Celery chord: group(run_part(job, attempt, i) for each part) | assemble(job, attempt)
+    run_part (any worker): claims its part (compare-and-set), resolves the model with only its
+        own shards fetched, runs its part of the stored plan (higgs_engine.job.run_part) with
+        progress + heartbeats on the part row (summed into the job's) and writes its shard
+        files (native and dequantized, named by the plan: model-0000k-of-0000N.safetensors)
+        straight to where the published artifact will be: the job attempt's artifact location
+        in the store, which no artifact row names until the assembly publishes it (a local
+        store: one rename). The part row records the part's metadata (every file's bytes and
+        sha256, tensor names, layer rows) and the part is done
     assemble (the chord's callback, or the sweep's barrier when a host died and took the
         chord's message with it): claims the assembly once every part is done, checks that
         every part's shard is in the store with its recorded size, writes only the small files
-        from the parts' recorded metadata and the source's small files
-        (higgs_engine.parts.assemble_metadata: the indexes, configs, tokenizer files, the
-        grids shard, report.json), puts those beside the parts' shards and publishes the
-        artifact rows (every file with its sha256, the parts' included) in one transaction.
-        No weight shard is downloaded or uploaded again
+        by the stored plan from the parts' recorded metadata and the model's small files
+        (higgs_engine.job.assemble: the indexes, configs, tokenizer files, the grids shard,
+        report.json with the plan's annotations), puts those beside the parts' shards and
+        publishes the artifact rows (every file with its sha256, the parts' included) in one
+        transaction. No weight shard is downloaded or uploaded again, nothing is planned again
 
 A part that fails for a reason other than a lost worker fails the job with its error and
 cancels its siblings; a cancel stops every part, publishes nothing and removes every part's
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +48,11 @@ from app.artifacts.store import (
 )
 from app.db.models import CANCELLED, FAILED, RUNNING
 from app.jobs import parts as part_state
-from app.jobs.job_config import JobConfig
 from app.jobs.rows import ArtifactRow, FileRow
-from higgs_engine.errors import CancelledError, CorruptCheckpointError, HiggsError
-from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.errors import CancelledError, CorruptCheckpointError, InvalidConfigError
 from worker.attempt import (
     Attempt,
     Claimed,
-    Dispatch,
     Outcome,
     default_worker_id,
     fail_job,
@@ -62,14 +62,16 @@ from worker.attempt import (
 )
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, retry_db
+from worker.dynamic import annotate_uniform, profile_entry
 from worker.messages import message_roots, public_message
+from worker.models import ModelRequest, job_hub_token, resolve_model
 from worker.progress import PartProgress, ProgressWriter, heartbeating
 from worker.publish import drop_other_attempts
 from worker.staging import clear_stale_staging, remove_tree, staging_dir
 
 if TYPE_CHECKING:
+    from higgs_engine.job import JobPlan
     from higgs_engine.report import Report
-    from worker.models import ModelSource
 
 log = logging.getLogger("worker.fanout")
 
@@ -97,25 +99,22 @@ def is_sharded(path: Path) -> bool:
     return weight_map is not None and len(set(weight_map.values())) > 1
 
 
-def start_fanout(
-    attempt: Attempt, source: ModelSource, engine_cfg: HiggsConfig, dispatch: Dispatch
-) -> bool:
-    """Fan the claimed job out when its source has several shards: parts recorded, chord
-    dispatched. False when the source is not sharded (the job runs here as usual)."""
-    from higgs_engine.parts import planned_layers, source_parts
-
-    if not is_sharded(source.path):
-        return False
-    parts = source_parts(source.path)
-    totals = planned_layers(source.path, parts, engine_cfg)
-    specs = [part_state.PartSpec(p.index, p.shards, totals[p.index]) for p in parts]
+def start_fanout(attempt: Attempt, plan: JobPlan) -> None:
+    """Fan the claimed job out by its sharded `plan`: one part row per part, each carrying
+    the plan, then the chord dispatched (or left to the sweep when the broker is away)."""
+    if attempt.dispatch is None or not plan.sharded:
+        raise InvalidConfigError("only a sharded plan with a dispatcher fans out")
+    dispatch = attempt.dispatch
+    specs = [
+        part_state.PartSpec(p.index, p.shards, total)
+        for p, total in zip(plan.parts, plan.totals, strict=True)
+    ]
     job_id, attempt_no = attempt.job_id, attempt.claimed.attempt
+    stored = plan.to_dict()
 
     def record() -> bool:
         with attempt.sessions() as s:
-            return part_state.fan_out(
-                s, job_id, attempt.worker_id, attempt_no, specs, engine_cfg.to_dict()
-            )
+            return part_state.fan_out(s, job_id, attempt.worker_id, attempt_no, specs, stored)
 
     if not retry_db(record, f"fan-out of job {job_id}", attempt.cfg.db_retry_s):
         raise CancelledError("the job stopped before its parts were recorded")
@@ -126,7 +125,15 @@ def start_fanout(
     else:
         log.warning("job %s: parts not sent (broker away); the sweep sends them", job_id)
     log.info("job %s: fanned out into %d parts (attempt %d)", job_id, len(specs), attempt_no)
-    return True
+
+
+def stored_plan(plan: dict[str, Any] | None) -> JobPlan:
+    """The job plan a part row carries (CorruptCheckpointError for a row without one)."""
+    from higgs_engine.job import JobPlan
+
+    if plan is None:
+        raise CorruptCheckpointError("the job's part rows carry no job plan (fanned out earlier)")
+    return JobPlan.from_dict(plan)
 
 
 # ---------------------------------------------------------------- a part
@@ -159,6 +166,23 @@ def _remove_parts(store: ArtifactStore, job_id: str, attempt: int) -> None:
         log.warning("job %s: parts' objects not removed: %s", job_id, e)
 
 
+@dataclass(frozen=True)
+class PartAttempt:
+    """One attempt at one part: the part's ids, this worker, its progress writer (which
+    beats the part's heartbeat and says when to stop), its staging and the attempt's
+    artifact location."""
+
+    sessions: SessionFactory
+    job_id: str
+    attempt: int
+    idx: int
+    worker_id: str
+    cfg: RunnerConfig
+    writer: PartProgress
+    staging: Path
+    uri: str
+
+
 def run_part(
     sessions: SessionFactory,
     job_id: str,
@@ -168,9 +192,6 @@ def run_part(
     worker_id: str | None = None,
 ) -> Outcome:
     """One attempt at one part. Idempotent: a part that is not queued is left alone."""
-    from higgs_engine.parts import Part, quantize_part
-    from worker.models import job_hub_token, resolve_model
-
     worker_id = worker_id or default_worker_id()
     store = cfg.store
 
@@ -189,90 +210,110 @@ def run_part(
     log.info(
         "job %s part %d (%s): claimed by %s", job_id, idx, ", ".join(claimed.shards), worker_id
     )
-    writer = PartProgress(sessions, job_id, attempt, idx, worker_id, cfg)
     # What an earlier, killed attempt at this part left on this worker's disk.
     clear_stale_staging(cfg.artifacts_dir, f"{job_id}-part{idx}")
-    staging = staging_dir(cfg.artifacts_dir, f"{job_id}-part{idx}", attempt)
-    uri = artifact_uri(store, job_id, attempt)
-    t0 = time.perf_counter()
+    at = PartAttempt(
+        sessions,
+        job_id,
+        attempt,
+        idx,
+        worker_id,
+        cfg,
+        PartProgress(sessions, job_id, attempt, idx, worker_id, cfg),
+        staging_dir(cfg.artifacts_dir, f"{job_id}-part{idx}", attempt),
+        artifact_uri(store, job_id, attempt),
+    )
     try:
-        with heartbeating(writer, cfg.heartbeat_interval_s):
-            engine_cfg = HiggsConfig.from_dict(claimed.engine_config)
-            requested = (claimed.request.get("model") or {}).get("revision")
-            source = resolve_model(
-                claimed.model_id,
-                claimed.model_revision or requested,
-                models_dir=cfg.models_dir,
-                token=job_hub_token(sessions, job_id, cfg.hub_tokens),
-                offline=cfg.hf_offline,
-                shards=claimed.shards,
-            )
-            out = staging / "part"
-            staging.mkdir(parents=True, exist_ok=True)
-            result = quantize_part(
-                source.path,
-                Part(idx, claimed.shards),
-                out,
-                engine_cfg,
-                writer,
-                device=cfg.device,
-                n_parts=claimed.n_parts or None,
-            )
-            if writer("uploading", 0, 1) is False:
-                raise CancelledError("cancelled before the part was stored")
-            files = [
-                UploadFile(rel, out / rel, str(f["sha256"]))
-                for rel, f in sorted(result.meta["files"].items())
-            ]
-            # Straight to the attempt's artifact location (a retry writes the same keys).
-            if not store.put(uri, files, lambda: writer.stop.is_set()):
-                raise CancelledError("cancelled while storing the part")
-            seconds = time.perf_counter() - t0
-
-            def finish() -> bool:
-                with sessions() as s:
-                    return part_state.finish_part(
-                        s, job_id, attempt, idx, worker_id, seconds, uri, result.meta
-                    )
-
-            if not retry_db(finish, f"end of job {job_id} part {idx}", cfg.db_retry_s):
-                raise CancelledError("the job stopped while the part was stored")
+        with heartbeating(at.writer, cfg.heartbeat_interval_s):
+            seconds = _quantize_and_store(at, claimed)
         log.info("job %s part %d: done in %.2f s", job_id, idx, seconds)
         return Outcome("succeeded")
-    except DatabaseUnavailableError as exc:
+    except Exception as exc:
+        return _part_ended(at, exc)
+    finally:
+        remove_tree(at.staging)
+
+
+def _quantize_and_store(at: PartAttempt, claimed: part_state.PartClaim) -> float:
+    """The part run by the job's plan on the model resolved here (only the part's shards
+    fetched), its files stored where the artifact will be published, the part recorded
+    done. Returns the part's seconds."""
+    from higgs_engine.job import RunInputs, run_part
+
+    t0 = time.perf_counter()
+    plan = stored_plan(claimed.plan)
+    requested = (claimed.request.get("model") or {}).get("revision")
+    cfg = at.cfg
+    request = ModelRequest(
+        claimed.model_id,
+        claimed.model_revision or requested,
+        cfg.models_dir,
+        job_hub_token(at.sessions, at.job_id, cfg.hub_tokens),
+        cfg.hf_offline,
+    )
+    model = resolve_model(request, shards=claimed.shards)
+    out = at.staging / "part"
+    at.staging.mkdir(parents=True, exist_ok=True)
+    inputs = RunInputs(model, at.writer, device=cfg.device)
+    result = run_part(plan, at.idx, out, inputs)
+    if at.writer("uploading", 0, 1) is False:
+        raise CancelledError("cancelled before the part was stored")
+    files = [
+        UploadFile(rel, out / rel, str(f["sha256"]))
+        for rel, f in sorted(result.meta["files"].items())
+    ]
+    # Straight to the attempt's artifact location (a retry writes the same keys).
+    if not cfg.store.put(at.uri, files, lambda: at.writer.stop.is_set()):
+        raise CancelledError("cancelled while storing the part")
+    seconds = time.perf_counter() - t0
+
+    def finish() -> bool:
+        with at.sessions() as s:
+            return part_state.finish_part(
+                s, at.job_id, at.attempt, at.idx, at.worker_id, seconds, at.uri, result.meta
+            )
+
+    if not retry_db(finish, f"end of job {at.job_id} part {at.idx}", cfg.db_retry_s):
+        raise CancelledError("the job stopped while the part was stored")
+    return seconds
+
+
+def _part_ended(at: PartAttempt, exc: Exception) -> Outcome:
+    """How a part attempt that raised ends: lost (the database or the job away), cancelled,
+    back in the queue (the store away), or failed (the job fails, its parts' objects go)."""
+    sessions, store, job_id, attempt, idx = at.sessions, at.cfg.store, at.job_id, at.attempt, at.idx
+    budget = at.cfg.db_retry_s
+    if isinstance(exc, DatabaseUnavailableError):
         log.error("job %s part %d: attempt abandoned: %s", job_id, idx, exc)
         return Outcome("lost", str(exc))
-    except CancelledError as exc:
-        if _cancel_if_asked(sessions, store, job_id, attempt, cfg.db_retry_s):
+    if isinstance(exc, CancelledError):
+        if _cancel_if_asked(sessions, store, job_id, attempt, budget):
             return Outcome("cancelled", str(exc))
         # Lost: the part's next run writes the same keys; a job attempt that ended without
         # success has its objects removed here (nothing of it can be published any more).
-        _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
+        _drop_if_dead(sessions, store, job_id, attempt, budget)
         return Outcome("lost", str(exc))
-    except StoreUnavailableError as exc:
+    if isinstance(exc, StoreUnavailableError):
         # The part goes back to the queue unsent; the sweep sends it again.
         log.error("job %s part %d: artifact store unavailable (%s)", job_id, idx, exc)
         with sessions() as s:
             part_state.release_lost_part(
-                s, job_id, attempt, idx, worker_id, 10**9, str(exc), message_returns=False
+                s, job_id, attempt, idx, at.worker_id, 10**9, str(exc), message_returns=False
             )
         return Outcome("storage_unavailable", str(exc))
-    except Exception as exc:
-        code = job_error_code(exc)
-        message = public_message(exc, message_roots(cfg))
-        log.warning("job %s part %d failed: %s: %s", job_id, idx, code, message)
+    code = job_error_code(exc)
+    message = public_message(exc, message_roots(at.cfg))
+    log.warning("job %s part %d failed: %s: %s", job_id, idx, code, message)
 
-        def fail() -> bool:
-            with sessions() as s:
-                return part_state.fail_part(s, job_id, attempt, idx, worker_id, code, message)
+    def fail() -> bool:
+        with sessions() as s:
+            return part_state.fail_part(s, job_id, attempt, idx, at.worker_id, code, message)
 
-        if retry_db(fail, f"failure of job {job_id} part {idx}", cfg.db_retry_s):
-            _remove_parts(store, job_id, attempt)
-        else:
-            _drop_if_dead(sessions, store, job_id, attempt, cfg.db_retry_s)
-        return Outcome("failed", f"{code}: {message}")
-    finally:
-        remove_tree(staging)
+    if retry_db(fail, f"failure of job {job_id} part {idx}", budget):
+        _remove_parts(store, job_id, attempt)
+    else:
+        _drop_if_dead(sessions, store, job_id, attempt, budget)
+    return Outcome("failed", f"{code}: {message}")
 
 
 def _drop_if_dead(
@@ -305,10 +346,6 @@ def assemble(
     """Assemble and publish a fanned-out job once every part is done (one assembler wins the
     compare-and-set; a duplicate or early call is a no-op). `trigger` ("chord" or "sweep":
     what sent it) is recorded in the report."""
-    from higgs_engine.parts import assemble_metadata
-    from higgs_engine.sources import ResolvedSource
-    from worker.models import job_hub_token, resolve_model
-
     worker_id = worker_id or default_worker_id()
     store = cfg.store
 
@@ -339,73 +376,10 @@ def assemble(
     )
     staging = staging_dir(cfg.artifacts_dir, job_id, attempt)
     at = Attempt(sessions, job_id, worker_id, cfg, writer, staging, claimed)
-    uri = artifact_uri(store, job_id, attempt)
-    t0 = time.perf_counter()
     try:
         with heartbeating(writer, cfg.heartbeat_interval_s):
-            with sessions() as s:
-                views = part_state.parts_of(s, job_id, attempt)
-            engine_cfg = HiggsConfig.from_dict(views[0].engine_config)
-            formats = list(engine_cfg.formats)
-            metas = _part_metas(views, uri)
-            writer("packaging", 0, len(views) + 1)
-            # Every part's shard where its part said, with its recorded size (no byte read).
-            for n, v in enumerate(views):
-                _check_stored(store, uri, v.idx, metas[n])
-                writer("packaging", n + 1, len(views) + 1)
-            requested = (claimed.request.get("model") or {}).get("revision")
-            job_cfg = JobConfig.load(claimed.config)
-            source = resolve_model(
-                claimed.model_id,
-                claimed.pinned or requested,
-                models_dir=cfg.models_dir,
-                token=job_hub_token(sessions, job_id, cfg.hub_tokens),
-                offline=cfg.hf_offline,
-                # A dynamic target's plan is derived again from the model's files.
-                shards=None if job_cfg.is_dynamic else (),
-            )
-            out = staging / "out"
-
-            def annotate(report: Report, _staged: Path) -> None:
-                if job_cfg.is_dynamic:
-                    _annotate_dynamic(sessions, claimed, job_cfg, source, engine_cfg, report, cfg)
-                elif cfg.profiles is not None:
-                    from worker.dynamic import annotate_uniform
-
-                    annotate_uniform(sessions, source, cfg.profiles, report)
-                report.metrics["parts"] = [
-                    {
-                        "index": v.idx,
-                        "shards": v.shards,
-                        "worker_id": v.worker_id,
-                        "seconds": v.seconds,
-                        "attempts": v.attempts,
-                    }
-                    for v in views
-                ]
-                report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
-                report.metrics.setdefault("service", {}).update(
-                    {
-                        "worker_id": worker_id,
-                        "assembly_trigger": trigger,
-                        "assembly_wall_s": round(time.perf_counter() - t0, 4),
-                    }
-                )
-
-            # report.json is written once, with the service's entries, before anything is
-            # published.
-            report = assemble_metadata(
-                source.path,
-                metas,
-                out,
-                engine_cfg,
-                resolved=ResolvedSource(source.path, source.id, source.revision, source.kind),  # type: ignore[arg-type]
-                device=cfg.device,
-                annotate=annotate,
-            )
-            rows = _publish_small_files(at, store, uri, out, formats, metas)
-            record_success(at, report, rows, source.revision)
-        drop_other_attempts(at, uri, uri_path(uri) if store.on_disk else out)
+            views = _assemble_and_publish(at, trigger)
+        drop_other_attempts(at, artifact_uri(store, job_id, attempt), _published(at))
         log.info("job %s: assembled from %d parts by %s", job_id, len(views), worker_id)
         return Outcome("succeeded")
     except DatabaseUnavailableError as exc:
@@ -432,6 +406,73 @@ def assemble(
         return out_c
     finally:
         remove_tree(staging)
+
+
+def _published(at: Attempt) -> Path:
+    """What drop_other_attempts keeps: the attempt's folder (a local store) or its staging."""
+    uri = artifact_uri(at.cfg.store, at.job_id, at.claimed.attempt)
+    return uri_path(uri) if at.cfg.store.on_disk else at.staging / "out"
+
+
+def _assemble_and_publish(at: Attempt, trigger: str) -> list[part_state.PartView]:
+    """Every part's files checked in the store, the small files written by the job's plan
+    from the parts' metadata (the model resolved here: config, shard index and tokenizer
+    files only), uploaded, and the job's success recorded. Returns the parts."""
+    from higgs_engine.job import RunInputs, assemble
+
+    t0 = time.perf_counter()
+    cfg, writer, claimed = at.cfg, at.writer, at.claimed
+    uri = artifact_uri(cfg.store, at.job_id, claimed.attempt)
+    with at.sessions() as s:
+        views = part_state.parts_of(s, at.job_id, claimed.attempt)
+    plan = stored_plan(views[0].plan)
+    metas = _part_metas(views, uri)
+    writer("packaging", 0, len(views) + 1)
+    # Every part's shard where its part said, with its recorded size (no byte read).
+    for n, v in enumerate(views):
+        _check_stored(cfg.store, uri, v.idx, metas[n])
+        writer("packaging", n + 1, len(views) + 1)
+    requested = (claimed.request.get("model") or {}).get("revision")
+    request = ModelRequest(
+        claimed.model_id,
+        claimed.pinned or requested,
+        cfg.models_dir,
+        job_hub_token(at.sessions, at.job_id, cfg.hub_tokens),
+        cfg.hf_offline,
+    )
+    model = resolve_model(request, shards=())
+
+    def annotate(report: Report, _staged: Path) -> None:
+        if plan.dynamic is not None:
+            report.metrics.setdefault("service", {})["profile"] = profile_entry(plan, model)
+        elif cfg.profiles is not None:
+            annotate_uniform(at.sessions, model, cfg.profiles, report)
+        report.metrics["parts"] = [
+            {
+                "index": v.idx,
+                "shards": v.shards,
+                "worker_id": v.worker_id,
+                "seconds": v.seconds,
+                "attempts": v.attempts,
+            }
+            for v in views
+        ]
+        report.timings["quantizing"] = sum(v.seconds or 0.0 for v in views)
+        report.metrics.setdefault("service", {}).update(
+            {
+                "worker_id": at.worker_id,
+                "assembly_trigger": trigger,
+                "assembly_wall_s": round(time.perf_counter() - t0, 4),
+            }
+        )
+
+    # report.json is written once, with the service's entries, before anything is published.
+    out = at.staging / "out"
+    inputs = RunInputs(model, annotate=annotate, device=cfg.device)
+    report = assemble(plan, metas, out, inputs)
+    rows = _publish_small_files(at, cfg.store, uri, out, list(plan.config.formats), metas)
+    record_success(at, report, rows, model.revision)
+    return views
 
 
 def _part_metas(views: list[part_state.PartView], uri: str) -> list[dict[str, Any]]:
@@ -506,36 +547,3 @@ def _publish_small_files(
             )
         )
     return rows
-
-
-def _annotate_dynamic(
-    sessions: SessionFactory,
-    claimed: Claimed,
-    job_cfg: JobConfig,
-    source: ModelSource,
-    engine_cfg: HiggsConfig,
-    report: Any,
-    cfg: RunnerConfig,
-) -> None:
-    """A dynamic job's report annotations (alphas, predicted change, allocation, target): the
-    coordinator's plan derived again from the stored profile (deterministic: same profile,
-    target and menu give the same allocation), checked against the config the parts used."""
-    from higgs_engine.dynamic import annotate_dynamic
-    from higgs_engine.planning.plans import Target
-    from worker.dynamic import job_menu_p, plan_dynamic_job, profile_entry
-
-    requested = (claimed.request.get("model") or {}).get("revision")
-    planned = plan_dynamic_job(
-        sessions,
-        source,
-        requested,
-        job_cfg.higgs_config(),
-        dict(job_cfg.target),
-        job_menu_p(job_cfg, claimed.request),
-        cfg.profile_settings(),
-        None,
-    )
-    if planned.config.to_dict() != engine_cfg.to_dict():
-        raise HiggsError("the dynamic plan derived at assembly differs from the parts' plan")
-    annotate_dynamic(report, planned, Target(**dict(job_cfg.target)))
-    report.metrics.setdefault("service", {})["profile"] = profile_entry(planned, source)

@@ -20,9 +20,9 @@ from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.plans import Target
 from higgs_engine.progress import ProgressCallback
 from higgs_engine.report import Report
+from higgs_engine.sources import SourceIdentity
 from worker.config import RunnerConfig
 from worker.dynamic import ProfileSettings, SessionFactory, job_profile_source, profile_revision
-from worker.models import ModelSource
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class GgufJob:
     for, its target ({"bits": b}, {"avg_bits": b} or {"max_ppl_increase": x}),
     options.gguf_rotate (None: off) and options.evaluate."""
 
-    source: ModelSource
+    source: SourceIdentity
     requested_revision: str | None
     target: Mapping[str, float]
     rotate: str | None = None

@@ -1,9 +1,12 @@
-"""Model sources for jobs: a named local model under models_dir, or a Hub id (pinned revision).
+"""Model sources for jobs: a named local model under models_dir, or a Hub id (pinned revision),
+resolved into the engine's ResolvedModel (higgs_engine.sources) once per attempt.
 
 The worker never hands a raw, user-supplied model id to code that treats existing paths as
 local directories (the engine's resolve_source does): a local name is looked up only under
 models_dir, and anything else must be a well-formed Hub id and goes through huggingface_hub
-(its cache, offline mode and token).
+(its cache, offline mode and token). The engine then reads the directory found
+(`describe_model`) and the model carries the job's identity (model id, commit sha, kind),
+which is what the report's source names.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.keys.hub_token import HubTokens, HubTokenUnreadableError
 from higgs_engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedModelError
+from higgs_engine.sources import ResolvedModel, ResolvedSource, describe_model
 
 # A Hub token, or a function that reads it when a Hub model needs it.
 HubToken = str | Callable[[], str | None] | None
@@ -29,14 +33,46 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "to
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    path: Path  # local directory with config.json + *.safetensors
-    id: str  # the model id as the job names it
-    kind: str  # "local" or "hub"
-    revision: str | None  # the Hub commit sha actually read; None for local models
+class ModelRequest:
+    """Which model a job attempt reads and how this worker reaches it: the job's `model_id` at
+    `revision` (a branch, tag or sha; None: the default branch), from models_dir or the Hub
+    with the job's Hub token (job_hub_token) and the worker's offline mode."""
+
+    model_id: str
+    revision: str | None
+    models_dir: Path | None
+    token: HubToken
+    offline: bool
 
 
-def resolve_model(
+def resolve_model(request: ModelRequest, shards: Sequence[str] | None = None) -> ResolvedModel:
+    """The job's model found on this machine (`locate_model`; `shards` as it says) and
+    described by the engine once (`describe_located`)."""
+    return describe_located(locate(request, shards))
+
+
+def locate(request: ModelRequest, shards: Sequence[str] | None = None) -> ResolvedSource:
+    """locate_model for `request`."""
+    return locate_model(
+        request.model_id,
+        request.revision,
+        models_dir=request.models_dir,
+        token=request.token,
+        offline=request.offline,
+        shards=shards,
+    )
+
+
+def describe_located(found: ResolvedSource) -> ResolvedModel:
+    """The engine's description of the directory found (its config, layers and tensor names,
+    read once) under the job's identity (model id, the commit sha read, "local" or "hub").
+    Profiles stay keyed as the engine keys a local directory (its absolute path and content
+    fingerprint)."""
+    local = describe_model(ResolvedSource(found.path, str(found.path), None, "local"))
+    return local.named(found.id, found.revision, found.kind)
+
+
+def locate_model(
     model_id: str,
     revision: str | None,
     *,
@@ -44,7 +80,7 @@ def resolve_model(
     token: HubToken,
     offline: bool,
     shards: Sequence[str] | None = None,
-) -> ModelSource:
+) -> ResolvedSource:
     """Where the job's model lives on this machine, downloading Hub files into the HF cache.
 
     `token`: the Hub token to send, or a function that gives it (asked only for a Hub model:
@@ -69,7 +105,7 @@ def resolve_model(
         refuse_outside_links(model_id, ref.path, models_dir)
         if not (ref.path / "config.json").is_file():
             raise UnsupportedModelError(f"local model {model_id!r} has no config.json")
-        return ModelSource(path=ref.path, id=model_id, kind="local", revision=None)
+        return ResolvedSource(path=ref.path, id=model_id, revision=None, kind="local")
     return _resolve_hub(
         model_id,
         revision,
@@ -138,7 +174,7 @@ def _resolve_hub(
     token: str | None,
     offline: bool,
     shards: Sequence[str] | None = None,
-) -> ModelSource:
+) -> ResolvedSource:
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import model_info, snapshot_download
     from huggingface_hub.errors import (
@@ -201,7 +237,7 @@ def _resolve_hub(
         raise UnsupportedModelError(
             f"Hub repository {repo_id!r} has no config.json + *.safetensors checkpoint"
         )
-    return ModelSource(path=snap, id=repo_id, kind="hub", revision=sha)
+    return ResolvedSource(path=snap, id=repo_id, revision=sha, kind="hub")
 
 
 def register_local_models(sessions: sessionmaker[Session], models_dir: Path | None) -> list[str]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,16 +49,10 @@ from worker.attempt import (
 from worker.calibration import load_job_calibration
 from worker.config import RunnerConfig
 from worker.dbretry import DatabaseUnavailableError, SessionFactory, is_transient, retry_db
-from worker.dynamic import (
-    annotate_uniform,
-    job_menu_p,
-    job_profile_source,
-    plan_dynamic_job,
-    profile_entry,
-)
+from worker.dynamic import annotate_uniform, job_menu_p, job_profile_source, profile_entry
 from worker.evaluation import EVAL_TEXT_ENV, EvalSettings, evaluate_artifact
 from worker.messages import is_storage_full
-from worker.models import ModelSource, job_hub_token, resolve_model
+from worker.models import ModelRequest, describe_located, job_hub_token, locate
 from worker.progress import ProgressWriter, heartbeating
 from worker.publish import publish_result, remove_empty_job_dir
 from worker.scratch import DiskGuard, note_reclaimed, reclaim_failed
@@ -64,8 +60,9 @@ from worker.staging import clear_stale_staging, remove_tree, staging_dir
 from worker.storage import storage_recovered, wait_for_storage, wait_for_store
 
 if TYPE_CHECKING:
-    from higgs_engine.dynamic import DynamicPlan
+    from higgs_engine.job import Annotate, JobPlan, QuantizeJob
     from higgs_engine.report import Report
+    from higgs_engine.sources import ResolvedModel, ResolvedSource
 
 log = logging.getLogger("worker.runner")
 
@@ -153,21 +150,12 @@ def run_job(
 
 
 def _run_attempt(attempt: Attempt) -> Path | None:
-    sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
-    cfg, writer, staging = attempt.cfg, attempt.writer, attempt.staging
-    model_id, request, pinned = (
-        attempt.claimed.model_id,
-        attempt.claimed.request,
-        attempt.claimed.pinned,
-    )
-    from higgs_engine.job import ProfileSource, QuantizeJob, run
-    from higgs_engine.planning.plans import Target
-
+    """Resolve, then fan out (a sharded source, with a dispatcher), or run the job here.
+    Returns the published directory, or None when the job was fanned out."""
+    writer, claimed = attempt.writer, attempt.claimed
     if writer("resolving", 0, 1) is False:
         raise CancelledError("cancelled before the model was resolved")
-    hub_token = job_hub_token(sessions, job_id, cfg.hub_tokens)
-    requested = (request.get("model") or {}).get("revision")
-    job_cfg = JobConfig.load(attempt.claimed.config)
+    job_cfg = JobConfig.load(claimed.config)
     # Dynamic targets fan out after the profile and the allocation (one worker, here).
     may_fan_out = (
         attempt.dispatch is not None
@@ -175,133 +163,168 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         and not job_cfg.evaluate
         and not job_cfg.gguf
     )
-    source = resolve_model(
-        model_id,
-        pinned or requested,
-        models_dir=cfg.models_dir,
-        token=hub_token,
-        offline=cfg.hf_offline,
-        # A Hub model that may fan out: its shard index first, each part fetches its shards
-        # (a dynamic target's profile needs every shard here).
-        shards=() if may_fan_out and not job_cfg.is_dynamic else None,
-    )
-    if source.revision and source.revision != pinned:
-        revision = source.revision
-
-        def record_revision() -> None:
-            with sessions() as s:
-                state.record_model_revision(s, job_id, revision, worker_id=worker_id)
-
-        retry_db(record_revision, f"model revision of job {job_id}", cfg.db_retry_s)
+    if job_cfg.gguf:
+        found = locate(_request(attempt))
+        _record_revision(attempt, found.revision)
+        _check_evaluate(attempt.cfg, job_cfg)
+        return _run_gguf(attempt, job_cfg, found)
+    model = _resolve(attempt, job_cfg, may_fan_out)
     if writer("resolving", 1, 1) is False:
         raise CancelledError("cancelled after the model was resolved")
-    engine_cfg = job_cfg.higgs_config()
-    if may_fan_out and attempt.dispatch is not None:
-        from worker.fanout import is_sharded, start_fanout
+    if may_fan_out and attempt.dispatch is not None and model.sharded:
+        from higgs_engine.job import plan
+        from worker.fanout import start_fanout
 
-        if is_sharded(source.path):
-            fan_cfg = engine_cfg
-            if job_cfg.is_dynamic:
-                # Profile + allocation once, here; every part quantizes with the plan's
-                # per-layer grids (its config's overrides).
-                fan_cfg = plan_dynamic_job(
-                    sessions,
-                    source,
-                    requested,
-                    engine_cfg,
-                    dict(job_cfg.target),
-                    job_menu_p(job_cfg, request),
-                    cfg.profile_settings(),
-                    writer,
-                    cfg.device,
-                ).config
-            start_fanout(attempt, source, fan_cfg, attempt.dispatch)
-            return None
-        if source.kind == "hub" and not job_cfg.is_dynamic:  # not sharded: every file
-            source = resolve_model(
-                model_id,
-                source.revision,
-                models_dir=cfg.models_dir,
-                token=hub_token,
-                offline=cfg.hf_offline,
-            )
+        # Planned once, here (a dynamic target's profile and allocation too); every part
+        # and the assembly run this plan.
+        start_fanout(attempt, plan(_engine_job(attempt, job_cfg, model), writer, model))
+        return None
+    return _run_here(attempt, job_cfg, model)
+
+
+def _request(attempt: Attempt) -> ModelRequest:
+    cfg, claimed = attempt.cfg, attempt.claimed
+    requested = (claimed.request.get("model") or {}).get("revision")
+    return ModelRequest(
+        claimed.model_id,
+        claimed.pinned or requested,
+        cfg.models_dir,
+        job_hub_token(attempt.sessions, attempt.job_id, cfg.hub_tokens),
+        cfg.hf_offline,
+    )
+
+
+def _resolve(attempt: Attempt, job_cfg: JobConfig, may_fan_out: bool) -> ResolvedModel:
+    """The job's model resolved once for the attempt, its commit sha recorded on the job. A
+    Hub model that may fan out: its shard index first, each part fetches its shards (a
+    dynamic target's profile needs every shard here); not sharded after all, every file."""
+    from worker.fanout import is_sharded
+
+    request = _request(attempt)
+    index_only = may_fan_out and not job_cfg.is_dynamic
+    found = locate(request, () if index_only else None)
+    if index_only and found.kind == "hub" and not is_sharded(found.path):
+        found = locate(replace(request, revision=found.revision), None)
+    _record_revision(attempt, found.revision)
+    return describe_located(found)
+
+
+def _record_revision(attempt: Attempt, revision: str | None) -> None:
+    """The commit sha read, recorded on the job once (a retry reads the same files)."""
+    if not revision or revision == attempt.claimed.pinned:
+        return
+    sessions, job_id, worker_id = attempt.sessions, attempt.job_id, attempt.worker_id
+
+    def record() -> None:
+        with sessions() as s:
+            state.record_model_revision(s, job_id, revision, worker_id=worker_id)
+
+    retry_db(record, f"model revision of job {job_id}", attempt.cfg.db_retry_s)
+
+
+def _engine_job(
+    attempt: Attempt,
+    job_cfg: JobConfig,
+    model: ResolvedModel,
+    annotate: Annotate | None = None,
+    on_plan: Callable[[JobPlan], None] | None = None,
+) -> QuantizeJob:
+    """The engine's QuantizeJob of the claimed job (calibration aside) on `model`."""
+    from higgs_engine.job import ProfileSource, QuantizeJob
+    from higgs_engine.planning.plans import Target
+
+    cfg, claimed = attempt.cfg, attempt.claimed
+    dynamic = job_cfg.is_dynamic
+    requested = (claimed.request.get("model") or {}).get("revision")
+    profile = ProfileSource()
+    if dynamic:
+        menu_p = job_menu_p(job_cfg, claimed.request)
+        ps = cfg.profile_settings()
+        profile = job_profile_source(attempt.sessions, model, requested, menu_p, ps)
+    return QuantizeJob(
+        model,
+        job_cfg.higgs_config(),
+        target=Target(**dict(job_cfg.target)) if dynamic else None,
+        profile=profile,
+        device=cfg.device,
+        annotate=annotate,
+        on_plan=on_plan,
+    )
+
+
+def _run_here(attempt: Attempt, job_cfg: JobConfig, model: ResolvedModel) -> Path:
+    """The whole job on this worker: the engine's run, the optional evaluation, publishing."""
+    from dataclasses import replace as with_
+
+    from higgs_engine.job import run
+
+    sessions, cfg, writer = attempt.sessions, attempt.cfg, attempt.writer
     evaluate = job_cfg.evaluate
-    if evaluate and cfg.eval_text_file is None:
-        # Before the long part: say it now rather than after quantizing.
-        raise InvalidConfigError(
-            f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
-        )
-    if job_cfg.gguf:
-        return _run_gguf(attempt, job_cfg, source, requested)
+    engine_cfg = job_cfg.higgs_config()
+    _check_evaluate(cfg, job_cfg)
     if evaluate and "native" not in engine_cfg.formats:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
-    # Calibrated HIGGS: the uploaded text, tokenized with the model's tokenizer, before any
-    # quantization (a text with too few tokens fails the job here, nothing written).
-    calibration = load_job_calibration(sessions, job_cfg.calibration, source.path, cfg.db_retry_s)
-    staging.mkdir(parents=True, exist_ok=True)
-    out = staging / "out"
+    # Calibrated HIGGS: the uploaded text, checked here and tokenized with the model's
+    # tokenizer before any quantization (a text with too few tokens fails the job, nothing
+    # written).
+    calibration = load_job_calibration(sessions, job_cfg.calibration, cfg.db_retry_s)
+    attempt.staging.mkdir(parents=True, exist_ok=True)
+    out = attempt.staging / "out"
     t0 = time.perf_counter()
-
-    planned: list[DynamicPlan] = []
+    planned: list[JobPlan] = []
 
     def annotate(report: Report, staged: Path) -> None:
-        record_service(report, source, worker_id, t0)
-        if planned:
-            report.metrics.setdefault("service", {})["profile"] = profile_entry(planned[0], source)
+        record_service(report, attempt.worker_id, t0)
+        if planned and planned[0].dynamic is not None:
+            report.metrics.setdefault("service", {})["profile"] = profile_entry(planned[0], model)
         elif cfg.profiles is not None:
-            annotate_uniform(sessions, source, cfg.profiles, report)
+            annotate_uniform(sessions, model, cfg.profiles, report)
         if evaluate:
             t1 = time.perf_counter()
             es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
-            report.metrics.update(evaluate_artifact(source.path, staged / "native", es, writer))
+            report.metrics.update(evaluate_artifact(model.path, staged / "native", es, writer))
             report.timings["evaluating"] = time.perf_counter() - t1
 
-    dynamic = job_cfg.is_dynamic
-    job = QuantizeJob(
-        source.path,
-        engine_cfg,
-        target=Target(**dict(job_cfg.target)) if dynamic else None,
-        calibration=calibration,
-        profile=(
-            job_profile_source(
-                sessions, source, requested, job_menu_p(job_cfg, request), cfg.profile_settings()
-            )
-            if dynamic
-            else ProfileSource()
-        ),
-        device=cfg.device,
-        annotate=annotate,
-        on_plan=planned.append,
-    )
-    report = run(job, out, writer)
+    job = _engine_job(attempt, job_cfg, model, annotate, planned.append)
+    report = run(with_(job, calibration=calibration), out, writer)
     engine_s = float(report.metrics["service"]["engine_wall_s"])
-    final = publish_result(attempt, out, report, list(engine_cfg.formats), source.revision)
-    log.info("job %s: succeeded in %.2f s (engine)", job_id, engine_s)
+    final = publish_result(attempt, out, report, list(engine_cfg.formats), model.revision)
+    log.info("job %s: succeeded in %.2f s (engine)", attempt.job_id, engine_s)
     return final
 
 
-def record_service(report: Report, source: ModelSource, worker_id: str, t0: float) -> None:
-    """The service's part of a job's report: the model as the worker resolved it (id,
-    revision, kind), the worker, and the engine's wall time since `t0` (evaluation aside)."""
-    report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+def _check_evaluate(cfg: RunnerConfig, job_cfg: JobConfig) -> None:
+    """options.evaluate needs the worker's evaluation text: said before the long part."""
+    if job_cfg.evaluate and cfg.eval_text_file is None:
+        raise InvalidConfigError(
+            f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
+        )
+
+
+def record_service(report: Report, worker_id: str, t0: float) -> None:
+    """The service's part of a job's report: the worker and the engine's wall time since `t0`
+    (evaluation aside). The report's source is the model as the worker resolved it."""
     report.metrics.setdefault("service", {}).update(
         {"worker_id": worker_id, "engine_wall_s": round(time.perf_counter() - t0, 4)}
     )
 
 
-def _run_gguf(
-    attempt: Attempt, job_cfg: JobConfig, source: ModelSource, requested: str | None
-) -> Path | None:
+def _run_gguf(attempt: Attempt, job_cfg: JobConfig, source: ResolvedSource) -> Path | None:
     """A GGUF job: llama.cpp's types per tensor for the target (worker.gguf)."""
     from worker.gguf import GgufJob, GgufWorker, quantize_gguf_job
 
+    if attempt.writer("resolving", 1, 1) is False:
+        raise CancelledError("cancelled after the model was resolved")
     cfg = attempt.cfg
+    requested = (attempt.claimed.request.get("model") or {}).get("revision")
     attempt.staging.mkdir(parents=True, exist_ok=True)
     out = attempt.staging / "out"
     t0 = time.perf_counter()
 
     def annotate(report: Report, _staged: Path) -> None:
-        record_service(report, source, attempt.worker_id, t0)
+        # The GGUF run resolves the directory itself: the job's identity goes in here.
+        report.source.update({"id": source.id, "revision": source.revision, "kind": source.kind})
+        record_service(report, attempt.worker_id, t0)
 
     gguf = GgufJob(source, requested, dict(job_cfg.target), job_cfg.gguf_rotate, job_cfg.evaluate)
     report = quantize_gguf_job(

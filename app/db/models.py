@@ -277,6 +277,9 @@ class JobPart(Base):
     # The engine config (HiggsConfig.to_dict()) every part quantizes with, recorded by the
     # coordinator: a dynamic plan's per-layer grids are in it as overrides.
     engine_config: Mapped[dict[str, Any]] = mapped_column()
+    # The job plan (higgs_engine.job.JobPlan.to_dict()) the coordinator made once: every part
+    # and the assembly run it, nothing is derived again. None on rows written before it.
+    plan: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     state: Mapped[str] = mapped_column(String(16), default=PART_QUEUED)
     worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
     attempts: Mapped[int] = mapped_column(Integer, default=0)

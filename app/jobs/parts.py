@@ -68,6 +68,7 @@ class PartClaim:
     request: dict[str, Any]
     engine_config: dict[str, Any]
     n_parts: int  # parts of this job attempt
+    plan: dict[str, Any] | None  # the job plan every part runs (None: an older row)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class PartView:
     finished_at: datetime | None
     engine_config: dict[str, Any]
     output: dict[str, Any] | None
+    plan: dict[str, Any] | None = None
 
 
 _cas = repository.compare_and_set
@@ -114,11 +116,12 @@ def fan_out(
     worker_id: str,
     attempt: int,
     parts: Sequence[PartSpec],
-    engine_config: dict[str, Any],
+    plan: dict[str, Any],
 ) -> bool:
     """The coordinator's claimed job becomes fanned out: one queued row per part (rows of
-    earlier attempts replaced), stage quantizing with the parts' layers as the total. False
-    when the job is no longer the coordinator's to run (cancelled, re-queued)."""
+    earlier attempts replaced) carrying the job plan (its config also as engine_config),
+    stage quantizing with the parts' layers as the total. False when the job is no longer the
+    coordinator's to run (cancelled, re-queued)."""
     now = utcnow()
     job = repository.get(session, job_id)
     if job is None:
@@ -150,7 +153,8 @@ def fan_out(
                 idx=p.idx,
                 job_attempt=attempt,
                 shards=list(p.shards),
-                engine_config=dict(engine_config),
+                engine_config=dict(plan["config"]),
+                plan=dict(plan),
                 state=PART_QUEUED,
                 attempts=0,
                 progress_done=0,
@@ -221,6 +225,7 @@ def claim_part(
         dict(job.request),
         dict(part.engine_config),
         n_parts,
+        None if part.plan is None else dict(part.plan),
     )
 
 
@@ -490,6 +495,7 @@ def parts_of(session: Session, job_id: str, attempt: int) -> list[PartView]:
             r.finished_at,
             dict(r.engine_config),
             None if r.output is None else dict(r.output),
+            None if r.plan is None else dict(r.plan),
         )
         for r in rows
     ]

@@ -42,7 +42,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -351,24 +351,19 @@ def _profile(run: _Run) -> Profile:
     """The profile of the plan's source (embeddings and head included) on the plan's device:
     the context's own, found in its stores, or measured (stage "profiling")."""
     from higgs_engine.dynamic import ProfileSource, obtain_profile
+    from higgs_engine.sources import ResolvedModel, resolve_model
 
     source = run.ctx.profile or ProfileSource()
     if source.profile is not None:
         return source.profile
     t0 = time.perf_counter()
     plan = run.plan
-    got = obtain_profile(
-        plan.source.id,
-        plan.profile or source.config,
-        text=source.text,
-        stores=source.stores,
-        selfgen_cache=source.selfgen_cache,
-        revision=plan.source.revision,
-        token=run.ctx.token,
-        progress=run.progress,
-        embeddings=True,
-        device=plan.compute.device,
-    )
+    model = plan.source
+    if not isinstance(model, ResolvedModel):
+        model = resolve_model(model.path, plan.source.revision, run.ctx.token)
+    how = replace(source, config=plan.profile or source.config)
+    layers = model.layer_names((), embeddings=True)
+    got = obtain_profile(model, how, layers, run.progress, plan.compute.device)
     if got.reused is None:
         run.timed("profiling", t0)
     return got.profile

@@ -368,7 +368,7 @@ def plan_gguf(
     from higgs_engine.gguf.rotate import ROTATABLE
     from higgs_engine.model_structure import load_config, model_kind
 
-    hf_config = getattr(source, "config", None) or load_config(source.path)
+    hf_config = getattr(source, "hf_config", None) or load_config(source.path)
     archs = list(getattr(hf_config, "architectures", None) or [])
     check_architecture(archs)
     model_type = getattr(hf_config, "model_type", None)

@@ -146,17 +146,21 @@ def annotate_report(rep: Report, profile: Profile, allocation: Allocation | None
         "cost": profile.cost,
     }
     if allocation is not None:
-        metrics["allocation"] = {
-            "avg_bits": allocation.avg_bits,
-            f"predicted_{profile.metric}_grid_mse": allocation.predicted,
-            "predicted_ppl_increase": ppl_increase_from(profile.metric, allocation.predicted),
-            "histogram": allocation.histogram(),
-            "layers": {
-                n: o.label for n, o in zip(allocation.names, allocation.options, strict=True)
-            },
-        }
+        metrics["allocation"] = allocation_entry(profile.metric, allocation)
     rep.metrics = metrics
     return rep
+
+
+def allocation_entry(metric: str, allocation: Allocation) -> dict[str, Any]:
+    """The report's metrics["allocation"] of an allocation over a profile of `metric` (plain
+    JSON data: a job plan carries it as it is)."""
+    return {
+        "avg_bits": allocation.avg_bits,
+        f"predicted_{metric}_grid_mse": allocation.predicted,
+        "predicted_ppl_increase": ppl_increase_from(metric, allocation.predicted),
+        "histogram": allocation.histogram(),
+        "layers": {n: o.label for n, o in zip(allocation.names, allocation.options, strict=True)},
+    }
 
 
 # ---------------------------------------------------------------------------------------------

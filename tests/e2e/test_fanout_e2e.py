@@ -191,12 +191,12 @@ def test_one_job_over_four_workers_survives_kills_and_cancel(
             assert [p["index"] for p in listed_parts] == list(range(6))
             assert all(p["worker_id"] and p["seconds"] > 0 for p in listed_parts)
             # Every file equals a single-worker run of the same source.
-            from higgs_engine.pipeline import quantize_checkpoint
+            from higgs_engine.job import QuantizeJob, run
             from higgs_engine.planning.config import HiggsConfig
 
             single = tmp_path / "single"
-            quantize_checkpoint(
-                sharded_models / MODEL, single, HiggsConfig.from_dict(report["config"])
+            run(
+                QuantizeJob(sharded_models / MODEL, HiggsConfig.from_dict(report["config"])), single
             )
             listed: set[str] = set()
             for fmt in ("native", "dequantized"):

@@ -25,6 +25,7 @@ from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix
 from higgs_engine.safetensors_stream import CheckpointReader
+from higgs_engine.sources import resolve_model
 
 KINDS = ["llama", "qwen2", "gemma2", "gpt2"]
 
@@ -62,7 +63,9 @@ def test_pass_with_float_weights_sees_the_models_own_inputs(
 
     with CheckpointReader(path) as reader:
         specs = layer_specs(cfg, reader.keys())
-        outside = run_calibrated(path, cfg, reader, specs, Calibration(windows, "x", "t"), identity)
+        outside = run_calibrated(
+            resolve_model(path), reader, specs, Calibration(windows, "x", "t"), identity
+        )
     assert outside == [] and set(got) == {s.name for s in specs}
     model = _float_model(path)
     mods = dict(model.named_modules())
@@ -101,7 +104,11 @@ def test_pass_skips_work_that_feeds_no_hessian(
     with CheckpointReader(llama_ckpt) as reader:
         specs = layer_specs(cfg, reader.keys())
         run_calibrated(
-            llama_ckpt, cfg, reader, specs, Calibration(windows, "x", "t"), lambda g, ws, h: ws
+            resolve_model(llama_ckpt),
+            reader,
+            specs,
+            Calibration(windows, "x", "t"),
+            lambda g, ws, h: ws,
         )
     assert blocks >= 2
     assert len(down_calls) == blocks + (blocks - 1) * windows.shape[0]
@@ -125,7 +132,9 @@ def test_later_blocks_see_the_quantized_outputs(llama_ckpt: Path) -> None:
 
     with CheckpointReader(llama_ckpt) as reader:
         specs = layer_specs(cfg, reader.keys())
-        run_calibrated(llama_ckpt, cfg, reader, specs, Calibration(windows, "x", "t"), zero_block0)
+        run_calibrated(
+            resolve_model(llama_ckpt), reader, specs, Calibration(windows, "x", "t"), zero_block0
+        )
     # With block 0's linears zeroed, block 0 is the identity (residual only): block 1's input
     # is the embedding, whose Hessian after the input norm we recompute here.
     model: Any = _float_model(llama_ckpt)  # a transformers causal LM

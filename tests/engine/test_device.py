@@ -167,11 +167,11 @@ def test_pipeline_on_cuda_matches_cpu(tmp_path: Path, llama_ckpt: Path) -> None:
 
 
 def _profile_on(ckpt: Path, device: str | None, method: str) -> Any:
-    from higgs_engine.dynamic import obtain_profile
+    from devtools.profiles import obtain
     from higgs_engine.planning.profile import ProfileConfig
 
     cfg = ProfileConfig(method=method, context=24, windows=2, fisher_samples=2)
-    return obtain_profile(ckpt, cfg, device=device)
+    return obtain(ckpt, cfg, device=device)
 
 
 @pytest.mark.parametrize("method", ["fisher", "noise"])

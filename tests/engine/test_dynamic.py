@@ -156,16 +156,16 @@ def test_dynamic_job_writes_allocation_alphas_and_prediction(
 def test_a_local_model_has_one_cached_profile_however_its_path_is_spelled(
     ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from higgs_engine.dynamic import obtain_profile
+    from devtools.profiles import obtain
     from higgs_engine.planning.profile import ProfileDirectory
 
     cfg = ProfileConfig(method="fisher", windows=1, context=16, data_free="random")
     stores = (ProfileDirectory(tmp_path / "cache"),)
-    first = obtain_profile(ckpt, cfg, stores=stores)
+    first = obtain(ckpt, cfg, stores=stores)
     assert first.reused is None  # measured
     monkeypatch.chdir(ckpt.parent)
     for spelling in (ckpt.name, f"./{ckpt.name}", f"../{ckpt.parent.name}/{ckpt.name}"):
-        again = obtain_profile(spelling, cfg, stores=stores)
+        again = obtain(spelling, cfg, stores=stores)
         assert again.reused == "cache_dir", spelling
         assert again.profile.alphas() == first.profile.alphas()
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1

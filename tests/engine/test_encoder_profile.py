@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.profiles import get_profile
 from higgs_engine.dynamic import (
     calibration_windows,
     encoder_windows,
-    get_profile,
     profile_config_for,
 )
 from higgs_engine.errors import InvalidConfigError
@@ -28,6 +28,7 @@ from higgs_engine.planning.profile import (
     resolve_profile_config,
 )
 from higgs_engine.profile import BlockReplay
+from higgs_engine.sources import resolve_model
 from tests.engine.test_profile import spearman
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint, build_tiny_encoder
 
@@ -81,8 +82,8 @@ def test_model_kind_from_the_checkpoint(bert: Path, tmp_path: Path) -> None:
     llama = build_tiny_checkpoint("llama", tmp_path / "llama", tokenizer=False)
     assert model_kind(load_config(llama)) == "causal"
     assert model_kind(load_config(bert)) == "encoder"
-    assert profile_config_for(bert, ProfileConfig()).metric == "cos"
-    assert profile_config_for(llama, ProfileConfig()).metric == "kl"
+    assert profile_config_for(resolve_model(bert), ProfileConfig()).metric == "cos"
+    assert profile_config_for(resolve_model(llama), ProfileConfig()).metric == "kl"
 
 
 def test_encoder_windows_are_framed_by_cls_and_sep(bert: Path) -> None:

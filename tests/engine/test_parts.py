@@ -13,11 +13,14 @@ from safetensors import safe_open
 
 from higgs_engine.artifacts import load_model
 from higgs_engine.errors import CancelledError, CorruptCheckpointError, InvalidConfigError
+from higgs_engine.job import QuantizeJob, run
 from higgs_engine.parts import (
     Part,
+    PartResult,
     assemble_metadata,
     assemble_parts,
     list_parts,
+    part_context,
     part_shard_files,
     planned_layers,
     quantize_part,
@@ -26,7 +29,10 @@ from higgs_engine.parts import (
 )
 from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig
+from higgs_engine.progress import ProgressCallback
+from higgs_engine.report import Report
 from higgs_engine.safetensors_stream import SHARD_INDEX, read_weight_map
+from higgs_engine.sources import ResolvedModel, resolve_model
 
 CFG = HiggsConfig(p=2, n=256)
 
@@ -57,6 +63,29 @@ def tensors(fmt_dir: Path) -> dict[str, bytes]:
     return out
 
 
+def qpart(
+    src: Path,
+    part: Part,
+    out: Path,
+    cfg: HiggsConfig,
+    progress: ProgressCallback | None = None,
+    n_parts: int | None = None,
+) -> PartResult:
+    return quantize_part(part_context(resolve_model(src), out, cfg, progress), part, n_parts)
+
+
+def assemble_dirs(src: Path, dirs: list[Path], out: Path, cfg: HiggsConfig) -> Report:
+    return assemble_parts(part_context(resolve_model(src), out, cfg), dirs)
+
+
+def parts_of(src: Path) -> list[Part]:
+    return source_parts(resolve_model(src))
+
+
+def model(src: Path) -> ResolvedModel:
+    return resolve_model(src)
+
+
 def test_list_parts_is_a_pure_function_of_the_weight_map() -> None:
     wm = {
         "a": "s-2.safetensors",
@@ -80,11 +109,11 @@ def test_list_parts_is_a_pure_function_of_the_weight_map() -> None:
 @pytest.fixture(scope="module")
 def parts_out(sharded_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     root = tmp_path_factory.mktemp("parts")
-    parts = source_parts(sharded_ckpt)
+    parts = parts_of(sharded_ckpt)
     assert len(parts) >= 3
     dirs = []
     for p in parts:
-        quantize_part(sharded_ckpt, p, root / f"p{p.index}", CFG)
+        qpart(sharded_ckpt, p, root / f"p{p.index}", CFG)
         dirs.append(root / f"p{p.index}")
     return dirs
 
@@ -92,7 +121,7 @@ def parts_out(sharded_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> l
 def test_any_assembly_order_gives_byte_identical_files(
     sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path
 ) -> None:
-    first = assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    first = assemble_dirs(sharded_ckpt, parts_out, tmp_path / "a", CFG)
     want = digests(tmp_path / "a")
     n = len(parts_out)
     assert f"native/model-{n + 1:05d}-of-{n + 1:05d}.safetensors" in want  # the grid shard
@@ -101,7 +130,7 @@ def test_any_assembly_order_gives_byte_identical_files(
     orders = [list(reversed(parts_out)), [parts_out[1], parts_out[0], *parts_out[2:]]]
     orders.append(sorted(parts_out, key=lambda p: hashlib.md5(p.name.encode()).hexdigest()))
     for i, order in enumerate(orders):
-        rep = assemble_parts(sharded_ckpt, order, tmp_path / f"o{i}", CFG)
+        rep = assemble_dirs(sharded_ckpt, order, tmp_path / f"o{i}", CFG)
         assert digests(tmp_path / f"o{i}") == want
         assert [r.__dict__ for r in rep.layers] == [r.__dict__ for r in first.layers]
     # the index names every tensor of its shards, and sizes add up
@@ -126,9 +155,9 @@ def test_parts_write_final_shard_names_and_the_metadata_assembly_reads_none(
         for rel, f in m["files"].items():
             data = (d / rel).read_bytes()
             assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
-    full = assemble_parts(sharded_ckpt, parts_out, tmp_path / "full", CFG)
+    full = assemble_dirs(sharded_ckpt, parts_out, tmp_path / "full", CFG)
     gone = tmp_path / "gone"  # metadata only: the shard files are not there at all
-    rep = assemble_metadata(sharded_ckpt, list(reversed(metas)), gone, CFG)
+    rep = assemble_metadata(part_context(model(sharded_ckpt), gone, CFG), list(reversed(metas)))
     small = digests(gone)
     from_parts = {rel: f["sha256"] for m in metas for rel, f in m["files"].items()}
     assert not set(small) & set(from_parts)
@@ -158,7 +187,7 @@ def test_assembled_equals_single_run_per_tensor(
 ) -> None:
     """Same model saved unsharded, quantized by one single-file run: every tensor, the
     quantization entries and the report's per-layer rows are the same."""
-    rep = assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    rep = assemble_dirs(sharded_ckpt, parts_out, tmp_path / "a", CFG)
     single = quantize_checkpoint(llama_ckpt, tmp_path / "s", CFG)
     assert (tmp_path / "s" / "native" / "model.safetensors").is_file()
     assert not (tmp_path / "s" / "native" / SHARD_INDEX).exists()
@@ -176,8 +205,8 @@ def test_assembled_equals_single_run_per_tensor(
     )
     # one part holding every shard: same tensors again, in one shard
     one = Part(0, tuple(sorted(set((read_weight_map(sharded_ckpt) or {}).values()))))
-    quantize_part(sharded_ckpt, one, tmp_path / "one", CFG, n_parts=1)
-    assemble_parts(sharded_ckpt, [tmp_path / "one"], tmp_path / "b", CFG)
+    qpart(sharded_ckpt, one, tmp_path / "one", CFG, None, 1)
+    assemble_dirs(sharded_ckpt, [tmp_path / "one"], tmp_path / "b", CFG)
     assert sorted(p.name for p in (tmp_path / "b" / "native").glob("model-*")) == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -185,7 +214,7 @@ def test_assembled_equals_single_run_per_tensor(
     assert tensors(tmp_path / "b" / "native") == tensors(tmp_path / "s" / "native")
 
 
-def test_quantize_checkpoint_of_a_sharded_source_is_the_assembly(
+def test_a_run_of_a_sharded_source_is_the_assembly(
     sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path
 ) -> None:
     seen: list[tuple[str, int, int]] = []
@@ -194,8 +223,8 @@ def test_quantize_checkpoint_of_a_sharded_source_is_the_assembly(
         seen.append((stage, done, total))
         return True
 
-    rep = quantize_checkpoint(sharded_ckpt, tmp_path / "q", CFG, progress)
-    assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    rep = run(QuantizeJob(sharded_ckpt, CFG), tmp_path / "q", progress)
+    assemble_dirs(sharded_ckpt, parts_out, tmp_path / "a", CFG)
     assert digests(tmp_path / "q") == digests(tmp_path / "a")
     quant = [(d, t) for s, d, t in seen if s == "quantizing"]
     total = len([r for r in rep.layers if r.p])
@@ -207,7 +236,7 @@ def test_quantize_checkpoint_of_a_sharded_source_is_the_assembly(
 def test_sharded_artifacts_load_like_single_file_ones(
     sharded_ckpt: Path, llama_ckpt: Path, parts_out: list[Path], tmp_path: Path
 ) -> None:
-    assemble_parts(sharded_ckpt, parts_out, tmp_path / "a", CFG)
+    assemble_dirs(sharded_ckpt, parts_out, tmp_path / "a", CFG)
     quantize_checkpoint(llama_ckpt, tmp_path / "s", CFG)
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
     for fmt in ("native", "dequantized"):
@@ -218,48 +247,47 @@ def test_sharded_artifacts_load_like_single_file_ones(
 
 
 def test_a_part_reads_only_its_own_shards(sharded_ckpt: Path, tmp_path: Path) -> None:
-    parts = source_parts(sharded_ckpt)
+    parts = parts_of(sharded_ckpt)
     src = tmp_path / "src"
     shutil.copytree(sharded_ckpt, src)
     for other in parts[1:]:
         for shard in other.shards:
             (src / shard).unlink()
-    res = quantize_part(src, parts[0], tmp_path / "p0", CFG)
+    res = qpart(src, parts[0], tmp_path / "p0", CFG)
     assert res.meta["shards"] == list(parts[0].shards)
     n = len(parts)
     assert (tmp_path / "p0" / "native" / f"model-00001-of-{n + 1:05d}.safetensors").is_file()
     with pytest.raises(CorruptCheckpointError, match="missing"):
-        quantize_part(src, parts[1], tmp_path / "p1", CFG)
+        qpart(src, parts[1], tmp_path / "p1", CFG)
     assert not (tmp_path / "p1").exists()
 
 
 def test_planned_layers_add_up(sharded_ckpt: Path) -> None:
-    parts = source_parts(sharded_ckpt)
-    counts = planned_layers(sharded_ckpt, parts, CFG)
+    parts = parts_of(sharded_ckpt)
+    counts = planned_layers(model(sharded_ckpt), parts, CFG)
     rep_layers = 2 * 7  # tiny llama: 2 blocks x (q, k, v, o, gate, up, down)
     assert sum(counts.values()) == rep_layers and set(counts) == {p.index for p in parts}
 
 
 def test_cancel_and_bad_assembly(sharded_ckpt: Path, parts_out: list[Path], tmp_path: Path) -> None:
     part = next(
-        p for p, n in planned_layers(sharded_ckpt, source_parts(sharded_ckpt), CFG).items() if n
+        p for p, n in planned_layers(model(sharded_ckpt), parts_of(sharded_ckpt), CFG).items() if n
     )
     with pytest.raises(CancelledError):
-        quantize_part(
-            sharded_ckpt, source_parts(sharded_ckpt)[part], tmp_path / "c", CFG,
-            lambda s, d, t: d == 0,
-        )  # fmt: skip
+        qpart(
+            sharded_ckpt, parts_of(sharded_ckpt)[part], tmp_path / "c", CFG, lambda s, d, t: d == 0
+        )
     assert not (tmp_path / "c").exists()
     with pytest.raises(InvalidConfigError, match="not every part"):
-        assemble_parts(sharded_ckpt, parts_out[1:], tmp_path / "x", CFG)
+        assemble_dirs(sharded_ckpt, parts_out[1:], tmp_path / "x", CFG)
     with pytest.raises(InvalidConfigError, match="another config"):
-        assemble_parts(sharded_ckpt, parts_out, tmp_path / "y", HiggsConfig(p=2, n=64))
+        assemble_dirs(sharded_ckpt, parts_out, tmp_path / "y", HiggsConfig(p=2, n=64))
     # a part quantized as one of another number of parts names other shard files
-    quantize_part(sharded_ckpt, source_parts(sharded_ckpt)[0], tmp_path / "w", CFG, n_parts=9)
+    qpart(sharded_ckpt, parts_of(sharded_ckpt)[0], tmp_path / "w", CFG, None, 9)
     with pytest.raises(InvalidConfigError, match="as part of 9; an assembly of"):
-        assemble_parts(sharded_ckpt, [tmp_path / "w", *parts_out[1:]], tmp_path / "z", CFG)
+        assemble_dirs(sharded_ckpt, [tmp_path / "w", *parts_out[1:]], tmp_path / "z", CFG)
     with pytest.raises(InvalidConfigError, match="part index 3 is not one of 2 parts"):
-        quantize_part(sharded_ckpt, Part(3, ("x",)), tmp_path / "v", CFG, n_parts=2)
+        qpart(sharded_ckpt, Part(3, ("x",)), tmp_path / "v", CFG, None, 2)
     for d in ("x", "y", "z", "v"):
         assert not (tmp_path / d).exists()
 
@@ -281,10 +309,10 @@ def test_per_layer_choices_are_an_input_of_each_part(
         ),
     )
     dirs = []
-    for p in source_parts(sharded_ckpt):
-        quantize_part(sharded_ckpt, p, tmp_path / f"p{p.index}", cfg)
+    for p in parts_of(sharded_ckpt):
+        qpart(sharded_ckpt, p, tmp_path / f"p{p.index}", cfg)
         dirs.append(tmp_path / f"p{p.index}")
-    rep = assemble_parts(sharded_ckpt, dirs, tmp_path / "a", cfg)
+    rep = assemble_dirs(sharded_ckpt, dirs, tmp_path / "a", cfg)
     single = quantize_checkpoint(llama_ckpt, tmp_path / "s", cfg)
     for fmt in ("native", "dequantized"):
         assert tensors(tmp_path / "a" / fmt) == tensors(tmp_path / "s" / fmt)

@@ -18,6 +18,7 @@ from higgs_engine.errors import (
     InvalidConfigError,
     ModelNotFoundError,
 )
+from higgs_engine.job import QuantizeJob, run
 from higgs_engine.methods import METHODS, Precision
 from higgs_engine.model_structure import quantizable_layers
 from higgs_engine.output import OutputExistsError
@@ -25,6 +26,7 @@ from higgs_engine.pipeline import quantize_checkpoint
 from higgs_engine.planning.config import HiggsConfig, LayerOverride
 from higgs_engine.quantize import dequantize_matrix, relative_error
 from higgs_engine.report import Report
+from higgs_engine.sources import describe_model, resolve_source
 
 CFG = HiggsConfig(p=2, n=256)
 
@@ -250,7 +252,7 @@ def test_sharded_source_gives_identical_artifact(
         return out
 
     out, rep = llama_out
-    rep2 = quantize_checkpoint(sharded_ckpt, tmp_path / "o", CFG)
+    rep2 = run(QuantizeJob(sharded_ckpt, CFG), tmp_path / "o")
     for fmt in ("native", "dequantized"):
         assert (tmp_path / "o" / fmt / "model.safetensors.index.json").is_file()
         assert tensors(out / fmt) == tensors(tmp_path / "o" / fmt)
@@ -265,9 +267,8 @@ def test_hub_id_records_commit_sha(llama_ckpt: Path, tmp_path: Path) -> None:
         shutil.copy(f, repo / "snapshots" / sha / f.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(sha)
-    rep = quantize_checkpoint(
-        "org/tiny", tmp_path / "o", CFG, hub_cache_dir=tmp_path / "hub", local_files_only=True
-    )
+    found = resolve_source("org/tiny", hub_cache_dir=tmp_path / "hub", local_files_only=True)
+    rep = quantize_checkpoint(describe_model(found), tmp_path / "o", CFG)
     assert (
         rep.source["revision"] == sha
         and rep.source["kind"] == "hub"

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from higgs_engine.dynamic import calibration_windows, get_profile
+from devtools.profiles import get_profile
+from higgs_engine.dynamic import calibration_windows
 from higgs_engine.errors import CancelledError, InvalidConfigError, ProfileNotFoundError
 from higgs_engine.model_loading import load_float_model
-from higgs_engine.planning.profile import Profile, ProfileConfig
-from higgs_engine.profile import BlockReplay, compute_profile, fit_through_origin
+from higgs_engine.planning.profile import Profile, ProfileConfig, ProfileRequest
+from higgs_engine.profile import BlockReplay, ProfileRun, compute_profile, fit_through_origin
 from tests.fixtures import TINY_TEXT, build_tiny_checkpoint
 
 CFG = ProfileConfig(context=32, windows=2, data_free="random")
@@ -102,17 +103,10 @@ def test_interrupted_profile_resumes_where_it_stopped(
     names = [la.name for la in noise_profile.layers]
 
     def run(progress: Callable[[str, int, int], bool | None]) -> Profile:
-        return compute_profile(
-            model,
-            names,
-            windows,
-            CFG,
-            model_id=noise_profile.model,
-            revision=noise_profile.revision,
-            calibration="random:0",
-            partial_path=partial,
-            progress=progress,
+        request = ProfileRequest(
+            noise_profile.model, noise_profile.revision, "random:0", CFG, tuple(names)
         )
+        return compute_profile(model, ProfileRun(request, partial, progress), windows)
 
     with pytest.raises(CancelledError):
         run(stop_after_5)
@@ -187,10 +181,9 @@ def test_bad_profile_configs_name_the_value() -> None:
 def test_profile_of_a_missing_layer_is_an_error(ckpt: Path) -> None:
     model, _ = load_float_model(ckpt)
     windows = calibration_windows(model, None, None, CFG)
+    request = ProfileRequest("x", None, "random:0", CFG, ("model.nope",))
     with pytest.raises(InvalidConfigError, match=r"model\.nope"):
-        compute_profile(
-            model, ["model.nope"], windows, CFG, model_id="x", revision=None, calibration="random:0"
-        )
+        compute_profile(model, ProfileRun(request), windows)
 
 
 def test_self_generated_profile_is_cached_with_its_text(ckpt: Path, tmp_path: Path) -> None:

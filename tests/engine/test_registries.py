@@ -43,6 +43,7 @@ from higgs_engine.planning.config import HiggsConfig, MatrixSpec
 from higgs_engine.quantize import QuantizedMatrix, dequantize_matrix, quantize_matrix_full
 from higgs_engine.run_core import LayerPlan, RunContext, plan_layers, stream_tensors
 from higgs_engine.safetensors_stream import CheckpointReader, StreamingSafetensorsWriter
+from higgs_engine.sources import resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,15 +61,10 @@ def _plans(ckpt: Path, reader: CheckpointReader, config: HiggsConfig) -> list[La
 
 def _context(ckpt: Path, out: Path, config: HiggsConfig, method_name: str) -> RunContext:
     return RunContext(
-        source=ckpt,
+        model=resolve_model(ckpt),
         tmp=out,
         config=config,
         progress=None,
-        revision=None,
-        token=None,
-        cache_dir=None,
-        hub_cache_dir=None,
-        local_files_only=True,
         device=torch.device("cpu"),
         method=method_name,
     )

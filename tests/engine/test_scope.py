@@ -25,6 +25,7 @@ from higgs_engine.planning.plans import Target
 from higgs_engine.planning.profile import ProfileConfig, ProfileDirectory
 from higgs_engine.quantize import dequantize_matrix
 from higgs_engine.report import Report
+from higgs_engine.sources import resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -136,7 +137,7 @@ def test_sharded_scope_all_matches_a_single_run(
     """A sharded source goes part by part: the embedding and head are quantized in the parts
     that hold them, and the assembled artifact loads like the single-file one."""
     cfg = HiggsConfig.from_bits(BITS, scope="all")
-    rep = quantize_checkpoint(sharded_ckpt, tmp_path / "sharded", cfg)
+    rep = run(QuantizeJob(sharded_ckpt, cfg), tmp_path / "sharded")
     assert "parts" in rep.metrics
     rows = {r.name: r for r in rep.layers}
     assert rows["model.embed_tokens"].p == 2 and rows["lm_head"].p == 2
@@ -152,9 +153,9 @@ def test_dynamic_scope_all_allocates_the_embedding(llama_ckpt: Path, tmp_path: P
     """The profile includes the embedding and head, the allocator picks their grids, and the
     avg_bits budget is met over every allocated parameter (linear, embedding, head)."""
     base = HiggsConfig(scope="all")
-    names = allocated_layers(llama_ckpt, base)
+    names = allocated_layers(resolve_model(llama_ckpt), base)
     assert names[-2:] == ["model.embed_tokens", "lm_head"]
-    assert "model.embed_tokens" not in allocated_layers(llama_ckpt, HiggsConfig())
+    assert "model.embed_tokens" not in allocated_layers(resolve_model(llama_ckpt), HiggsConfig())
     job = QuantizeJob(
         llama_ckpt,
         base,
@@ -184,16 +185,16 @@ def test_dynamic_scope_all_allocates_the_embedding(llama_ckpt: Path, tmp_path: P
 def test_a_linear_profile_is_extended_with_the_embedding(llama_ckpt: Path, tmp_path: Path) -> None:
     """The noise profile of the linear layers, found in the cache, is extended layer by layer
     when the embedding and head are asked for (not returned without them, nor re-measured)."""
-    from higgs_engine.dynamic import obtain_profile
+    from devtools.profiles import obtain
 
     cfg = ProfileConfig(method="noise", data_free="random", context=32, windows=2)
     stores = [ProfileDirectory(tmp_path / "profiles")]
-    lin = obtain_profile(llama_ckpt, cfg, stores=stores).profile
-    got = obtain_profile(llama_ckpt, cfg, stores=stores, embeddings=True)
+    lin = obtain(llama_ckpt, cfg, stores=stores).profile
+    got = obtain(llama_ckpt, cfg, stores=stores, embeddings=True)
     assert got.reused is None  # measured (the missing layers), not taken as it was
     names = [la.name for la in got.profile.layers]
     assert names == [la.name for la in lin.layers] + ["model.embed_tokens", "lm_head"]
     assert got.profile.layers[: len(lin.layers)] == lin.layers
-    again = obtain_profile(llama_ckpt, cfg, stores=stores, embeddings=True)
+    again = obtain(llama_ckpt, cfg, stores=stores, embeddings=True)
     assert again.reused == "cache_dir"
-    assert obtain_profile(llama_ckpt, cfg, stores=stores).reused == "cache_dir"
+    assert obtain(llama_ckpt, cfg, stores=stores).reused == "cache_dir"

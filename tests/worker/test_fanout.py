@@ -19,7 +19,7 @@ from app.db.models import Job, JobPart
 from app.jobs import parts as part_state
 from app.jobs import state
 from app.settings import Settings
-from higgs_engine.pipeline import quantize_checkpoint
+from higgs_engine.job import QuantizeJob, run
 from higgs_engine.planning.config import HiggsConfig
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import build_tiny_checkpoint, files_under
@@ -146,9 +146,10 @@ def test_fanned_out_job_equals_a_single_run(
     assert {p["worker_id"] for p in listed} == {"w0", "w1"}
     assert all(p["seconds"] > 0 and p["attempts"] == 1 for p in listed)
 
-    # Every file equals what one in-process run of the same source writes.
+    # Every file equals what one in-process run of the same source writes (the engine's
+    # run: the same plan, its parts one after the other, assembled).
     single = tmp_path / "single"
-    quantize_checkpoint(models_dir / MODEL, single, _engine_cfg(job))
+    run(QuantizeJob(models_dir / MODEL, _engine_cfg(job)), single)
     want = {k: v for k, v in digests(single).items() if k != "report.json"}
     assert published(sessions, job_id) == want
     assert "native/model.safetensors.index.json" in want
@@ -184,7 +185,7 @@ def test_fanned_out_scope_all_job_equals_a_single_run(
         "lm_head": "head",
     }
     single = tmp_path / "single"
-    quantize_checkpoint(models_dir / MODEL, single, _engine_cfg(job))
+    run(QuantizeJob(models_dir / MODEL, _engine_cfg(job)), single)
     want = {k: v for k, v in digests(single).items() if k != "report.json"}
     assert published(sessions, job_id) == want
 
@@ -339,10 +340,15 @@ def test_lost_part_is_requeued_and_the_sweep_is_the_barrier(
 
 
 def test_dynamic_target_fans_out_after_one_profile_and_plan(
-    settings: Settings, sessions: sessionmaker[Session]
+    settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """avg_bits: the coordinator profiles and allocates once; the parts quantize with the
-    plan's per-layer grids; the assembled job equals the same job run on one worker."""
+    """avg_bits: the coordinator profiles and allocates once into the job plan every part
+    row carries; the parts run it and the assembly annotates from it (nothing planned
+    again); the assembled job equals the same job run on one worker."""
+    import higgs_engine.dynamic as engine_dynamic
+    from higgs_engine.job import JobPlan
+    from tests.fixtures import count_calls
+
     dyn = settings.model_copy(update={"profile_context": 16, "profile_windows": 1})
     cfg = RunnerConfig.from_settings(dyn, "cpu")
     body = {"model": {"id": MODEL}, "target": {"avg_bits": 3.5}}
@@ -354,9 +360,16 @@ def test_dynamic_target_fans_out_after_one_profile_and_plan(
     assert {"profiling", "allocating"} <= set(job.stage_durations or {})
     part_cfg = rows(sessions, job_id)[0].engine_config
     assert part_cfg["overrides"], "the plan's per-layer grids reach the parts"
+    stored = [r.plan for r in rows(sessions, job_id)]
+    assert stored[0] is not None and all(p == stored[0] for p in stored)
+    plan = JobPlan.from_dict(stored[0])
+    assert plan.kind == "dynamic" and plan.config.to_dict() == part_cfg
+    assert [p.index for p in plan.parts] == idxs and plan.dynamic is not None
+    planned = count_calls(monkeypatch, engine_dynamic, "plan_dynamic")
     for i in idxs:
         assert run_part(sessions, job_id, attempt, i, cfg, f"w{i}").status == "succeeded"
     assert assemble(sessions, job_id, attempt, cfg, "asm").status == "succeeded"
+    assert planned == [0], "a part or the assembly planned again"
     fanned = job_row(sessions, job_id)
     assert fanned.status == "succeeded" and fanned.report is not None
     # The same job on one worker (no dispatcher), with the profile the first one stored.

@@ -291,20 +291,20 @@ def _full_disk_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The engine's first run writes part of its output, then hits ENOSPC; later runs work."""
     import higgs_engine.pipeline as pipeline
 
-    real = pipeline.quantize_checkpoint
+    real = pipeline.quantize_whole
     calls = [0]
 
-    def quantize(src: Path, dest: Path, *args: Any, **kwargs: Any) -> Any:
+    def quantize(ctx: Any, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
-            Path(dest).mkdir(parents=True, exist_ok=True)
-            (Path(dest) / "partial.bin").write_bytes(b"x" * 1000)
+            Path(ctx.tmp).mkdir(parents=True, exist_ok=True)
+            (Path(ctx.tmp) / "partial.bin").write_bytes(b"x" * 1000)
             raise OSError(
-                errno.ENOSPC, "No space left on device", str(Path(dest) / "model.safetensors")
+                errno.ENOSPC, "No space left on device", str(Path(ctx.tmp) / "model.safetensors")
             )
-        return real(src, dest, *args, **kwargs)
+        return real(ctx, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "quantize_checkpoint", quantize)
+    monkeypatch.setattr(pipeline, "quantize_whole", quantize)
     return calls
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from higgs_engine.errors import InvalidConfigError
+from higgs_engine.sources import ResolvedSource
 from tests.fixtures import build_gguf_llama, build_tiny_encoder
 from worker.config import RunnerConfig
 from worker.gguf import GgufJob, GgufWorker, quantize_gguf_job
-from worker.models import ModelSource
 
 
 def _no_sessions() -> None:
@@ -24,7 +24,7 @@ def _no_sessions() -> None:
 @pytest.mark.slow
 def test_rotate_reaches_the_run(tmp_path: Path) -> None:
     ckpt = build_gguf_llama(tmp_path / "tiny")
-    src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
+    src = ResolvedSource(path=ckpt, id="tiny", revision=None, kind="local")
     rep = quantize_gguf_job(
         _no_sessions,  # type: ignore[arg-type]
         GgufJob(src, None, {"bits": 8.0}, rotate="on"),
@@ -37,7 +37,7 @@ def test_rotate_reaches_the_run(tmp_path: Path) -> None:
 
 def test_rotate_on_an_encoder_fails_naming_it(tmp_path: Path) -> None:
     bert = build_tiny_encoder(tmp_path / "bert")
-    src = ModelSource(path=bert, id="bert", kind="local", revision=None)
+    src = ResolvedSource(path=bert, id="bert", revision=None, kind="local")
     with pytest.raises(InvalidConfigError, match="BertModel"):
         quantize_gguf_job(
             _no_sessions,  # type: ignore[arg-type]
@@ -64,7 +64,7 @@ def test_the_workers_device_and_threads_reach_the_plan(
 
     monkeypatch.setattr(engine_job, "gguf_plan", watched)
     ckpt = build_gguf_llama(tmp_path / "tiny")
-    src = ModelSource(path=ckpt, id="tiny", kind="local", revision=None)
+    src = ResolvedSource(path=ckpt, id="tiny", revision=None, kind="local")
     worker = GgufWorker.of(replace(runner_cfg, device="cuda:1"))
     assert (worker.device, worker.profiles) == ("cuda:1", runner_cfg.profiles)
     with pytest.raises(InvalidConfigError, match="stop after planning"):
