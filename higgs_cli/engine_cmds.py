@@ -149,7 +149,8 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="torch CPU threads for the run (default: torch's own choice)",
+        help="CPU threads for the run: torch's; with --format gguf llama.cpp's measuring, "
+        "quantizing and evaluating too (default: torch's own choice; llama.cpp every core)",
     )
     q.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -298,6 +299,8 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_cli import gguf_cmds
 
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads {args.threads} must be at least 1")
     if gguf_cmds.wants_gguf(args):
         if args.scope == "linear":
             raise CliError(
@@ -306,8 +309,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             )
         return _quantize_gguf(args)
     cfg = _engine_config(args)  # validate before importing torch
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads {args.threads} must be at least 1")
     cal_text = _calibration_text(args)
     from higgs_engine.job import QuantizeJob, run
 

@@ -55,13 +55,6 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
         help="write llama.cpp split files (-0000k-of-0000N.gguf) when the 16-bit checkpoint is "
         f"above this size in GiB (default {DEFAULT_SPLIT_GIB})",
     )
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="threads measuring, quantizing and evaluating in llama.cpp (default: every core)",
-    )
 
 
 def wants_gguf(args: argparse.Namespace) -> bool:
@@ -135,8 +128,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--eval-windows {args.eval_windows} must be at least 1")
     if args.split_max_size is not None and not args.split_max_size > 0:
         raise CliError(f"--split-max-size {args.split_max_size:g} must be a positive size in GiB")
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads {args.threads} must be at least 1")
 
 
 def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:

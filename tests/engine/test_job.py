@@ -385,7 +385,13 @@ def test_the_forbidden_list_is_the_engines_orchestration() -> None:
     names = {f for _, f in made}
     # what the hand-written list named, the part-by-part stages and the dynamic plan
     assert {"quantize_checkpoint", "quantize_part", "assemble_metadata", "assemble_parts"} <= names
-    assert {"plan_dynamic", "obtain_profile", "quantize_gguf", "stream_tensors"} <= names
+    assert {
+        "plan_dynamic",
+        "obtain_profile",
+        "run_gguf_plan",
+        "plan_gguf",
+        "stream_tensors",
+    } <= names
     assert made >= TOOLS, "a tool named in TOOLS is gone: remove it from the list"
 
 
