@@ -1,11 +1,13 @@
 """The code structure of two revisions side by side: lines per module (the largest 10), import
 cycles (strongly connected components over every import, those inside functions included) and
-cross-module private imports (`from x import _y`), over the shipped packages (higgs_engine, app,
+cross-module private imports (`from x import _y`), functions over 8 parameters or 80 lines and
+modules over 600 lines, over the shipped packages (higgs_engine, app,
 worker, higgs_cli, migrations). The import graph is devtools/import_graph.py's, the one
 tests/test_import_graph.py checks. A revision is read with `git archive REV | tar -x` into a
 temporary folder (nothing is checked out); `worktree` is the working tree as it is.
 
-Default: `ff19d23~1` (the house before its modules were split) against the working tree.
+Default: `bd571b3` (the house before the one path from request to artifact) against the
+working tree.
 Writes benchmarks/results/house.json and .md.
 
     python -m benchmarks.house [--old REV] [--new REV|worktree] [--top 10]
@@ -14,6 +16,7 @@ Writes benchmarks/results/house.json and .md.
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import tempfile
 import time
@@ -46,6 +49,36 @@ def unpack(rev: str, dest: Path) -> str:
     return commit
 
 
+MAX_PARAMS = 8  # a function with more is asking for an object
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - (1 if names and names[0].arg in ("self", "cls") else 0)
+
+
+def functions(files: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
+    """Functions over MAX_PARAMS parameters (self / cls not counted) and over
+    MAX_FUNCTION_LINES lines (def to last line), module by module."""
+    many: list[dict[str, Any]] = []
+    long: list[dict[str, Any]] = []
+    for name, path in sorted(files.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            where = f"{name}.{node.name}"
+            if _params(node) > MAX_PARAMS:
+                many.append({"function": where, "params": _params(node)})
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                long.append({"function": where, "lines": length})
+    return {"many_params": many, "long": long}
+
+
 def measure(root: Path, top: int) -> dict[str, Any]:
     """The structure of the tree at `root`."""
     files = sources(root, PACKAGES)
@@ -60,9 +93,13 @@ def measure(root: Path, top: int) -> dict[str, Any]:
         }
         for pkg in PACKAGES
     }
+    funcs = functions(files)
     return {
         "modules": len(lines),
         "lines": sum(lines.values()),
+        "functions_over_8_params": funcs["many_params"],
+        "functions_over_80_lines": funcs["long"],
+        "modules_over_600_lines": sorted(m for m, n in lines.items() if n > MAX_MODULE_LINES),
         "per_package": per_package,
         "largest": [{"module": m, "lines": n} for m, n in largest],
         "import_edges": sum(len(v) for v in edges.values()),
@@ -95,6 +132,24 @@ def revision(rev: str, tmp: Path, top: int) -> dict[str, Any]:
     return {"rev": rev, "commit": commit, "label": f"{rev} ({commit[:9]})", **measure(root, top)}
 
 
+ENGINE_WORKER = ("higgs_engine", "worker")
+
+
+def _in(rows: list[dict[str, Any]], packages: tuple[str, ...]) -> int:
+    return sum(1 for r in rows if r["function"].split(".")[0] in packages)
+
+
+def _listing(d: dict[str, Any]) -> list[str]:
+    many = ", ".join(f"`{r['function']}` {r['params']}" for r in d["functions_over_8_params"])
+    long = ", ".join(f"`{r['function']}` {r['lines']}" for r in d["functions_over_80_lines"])
+    big = ", ".join(f"`{m}`" for m in d["modules_over_600_lines"])
+    return [
+        f"- over {MAX_PARAMS} parameters: {many or 'none'}",
+        f"- over {MAX_FUNCTION_LINES} lines: {long or 'none'}",
+        f"- modules over {MAX_MODULE_LINES} lines: {big or 'none'}",
+    ]
+
+
 def markdown(old: dict[str, Any], new: dict[str, Any], top: int) -> str:
     rows = [
         {"what": "modules", "old": old["modules"], "new": new["modules"]},
@@ -103,6 +158,31 @@ def markdown(old: dict[str, Any], new: dict[str, Any], top: int) -> str:
             "what": "largest module, lines",
             "old": old["largest"][0]["lines"],
             "new": new["largest"][0]["lines"],
+        },
+        {
+            "what": f"functions over {MAX_PARAMS} parameters (engine and worker)",
+            "old": _in(old["functions_over_8_params"], ENGINE_WORKER),
+            "new": _in(new["functions_over_8_params"], ENGINE_WORKER),
+        },
+        {
+            "what": f"functions over {MAX_PARAMS} parameters (all packages)",
+            "old": len(old["functions_over_8_params"]),
+            "new": len(new["functions_over_8_params"]),
+        },
+        {
+            "what": f"functions over {MAX_FUNCTION_LINES} lines (engine and worker)",
+            "old": _in(old["functions_over_80_lines"], ENGINE_WORKER),
+            "new": _in(new["functions_over_80_lines"], ENGINE_WORKER),
+        },
+        {
+            "what": f"functions over {MAX_FUNCTION_LINES} lines (all packages)",
+            "old": len(old["functions_over_80_lines"]),
+            "new": len(new["functions_over_80_lines"]),
+        },
+        {
+            "what": f"modules over {MAX_MODULE_LINES} lines",
+            "old": len(old["modules_over_600_lines"]),
+            "new": len(new["modules_over_600_lines"]),
         },
         {
             "what": "import edges between modules",
@@ -182,6 +262,14 @@ def markdown(old: dict[str, Any], new: dict[str, Any], top: int) -> str:
             "",
             *cycle_lines,
             "",
+            f"Old ({old['label']}), functions and modules over the limits:",
+            "",
+            *_listing(old),
+            "",
+            f"New ({new['label']}):",
+            "",
+            *_listing(new),
+            "",
             f"Measured {time.strftime('%Y-%m-%dT%H:%M:%S%z')}.",
         ]
     )
@@ -189,7 +277,7 @@ def markdown(old: dict[str, Any], new: dict[str, Any], top: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", default="ff19d23~1", help="a git revision (default: ff19d23~1)")
+    ap.add_argument("--old", default="bd571b3", help="a git revision (default: bd571b3)")
     ap.add_argument(
         "--new", default=WORKTREE, help=f"a git revision, or {WORKTREE!r} (the default)"
     )

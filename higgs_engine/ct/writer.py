@@ -168,11 +168,9 @@ def _write(
     dtype_name: str,
     progress: ProgressCallback | None,
 ) -> dict[str, Any]:
-    import compressed_tensors
     from compressed_tensors.compressors import ModelCompressor
 
     dtype = torch_dtype(dtype_name)
-    scale_bits = 8 * torch.tensor([], dtype=dtype).element_size()
     specs = ct_layers(source)
     unknown = sorted(set(assignment.schemes) - {s.name for s in specs})
     if unknown:
@@ -202,21 +200,7 @@ def _write(
                 if scheme.keep:
                     kept.append(spec.name)
                     reasons.setdefault(spec.name, "assigned 16 bits")
-                    weights.add(key, reader.get(key).to(dtype))
-                    bits = KEEP.layer_bits(spec.out_features, spec.in_features, scale_bits)
-                    layers.append(_layer_entry(spec, KEEP, bits, 0.0))
-                else:
-                    why = scheme.unfit_reason(spec.out_features, spec.in_features)
-                    if why is not None:
-                        raise InvalidConfigError(f"layer {spec.name}, scheme {scheme.name}: {why}")
-                    w = spec.weight(reader)
-                    q = quantize_layer(w, scheme, dtype)
-                    stored = compress_layer(q, dtype)
-                    for local, tensor in stored.items():
-                        weights.add(f"{spec.name}.{local}", tensor)
-                    bits = sum(8 * t.numel() * t.element_size() for t in stored.values())
-                    t2 = relative_error(w, dequantize(q))
-                    layers.append(_layer_entry(spec, scheme, bits, t2))
+                layers.append(_write_layer(reader, weights, spec, scheme, dtype))
                 done += 1
                 report(progress, "quantizing", done, total)
         weights.close()
@@ -226,6 +210,48 @@ def _write(
     write_configs(staging, source, dtype_name, None)
     qconfig = quantization_config(assignment, kept)
     ModelCompressor(quantization_config=qconfig).update_config(str(staging))
+    return _summary(
+        staging, layers, {name: reasons[name] for name in sorted(kept)}, dtype_name, qconfig
+    )
+
+
+def _write_layer(
+    reader: CheckpointReader,
+    weights: StreamingSafetensorsWriter,
+    spec: LayerSpec,
+    scheme: CtScheme,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """One linear layer into `weights`: kept in 16 bits, or quantized with `scheme` and stored
+    by the library's compressor; its report entry (bits stored, t^2)."""
+    if scheme.keep:
+        weights.add(spec.key, reader.get(spec.key).to(dtype))
+        scale_bits = 8 * torch.tensor([], dtype=dtype).element_size()
+        return _layer_entry(
+            spec, KEEP, KEEP.layer_bits(spec.out_features, spec.in_features, scale_bits), 0.0
+        )
+    why = scheme.unfit_reason(spec.out_features, spec.in_features)
+    if why is not None:
+        raise InvalidConfigError(f"layer {spec.name}, scheme {scheme.name}: {why}")
+    w = spec.weight(reader)
+    q = quantize_layer(w, scheme, dtype)
+    stored = compress_layer(q, dtype)
+    for local, tensor in stored.items():
+        weights.add(f"{spec.name}.{local}", tensor)
+    bits = sum(8 * t.numel() * t.element_size() for t in stored.values())
+    return _layer_entry(spec, scheme, bits, relative_error(w, dequantize(q)))
+
+
+def _summary(
+    staging: Path,
+    layers: list[dict[str, Any]],
+    kept: dict[str, str],
+    dtype_name: str,
+    qconfig: Any,
+) -> dict[str, Any]:
+    """The writer's report entry: every layer, the kept ones with why, bits per weight."""
+    import compressed_tensors
+
     bits_total = sum(int(e["bits"]) for e in layers)
     numel = sum(int(e["shape"][0]) * int(e["shape"][1]) for e in layers)
     layers.sort(key=lambda e: str(e["name"]))
@@ -238,7 +264,7 @@ def _write(
         "dtype": dtype_name,
         "quantization_format": str(qconfig.format),
         "layers": layers,
-        "kept": {name: reasons[name] for name in sorted(kept)},
+        "kept": kept,
         "schemes": dict(sorted(histogram.items())),
         "bits_per_weight": bits_total / numel if numel else 0.0,
         "linear_params": numel,
