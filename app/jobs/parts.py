@@ -532,6 +532,23 @@ def sweep_parts(
     lost with its host), and cancelled-while-waiting jobs, to send an assembly to."""
     cutoff = now - timedelta(seconds=heartbeat_timeout_s)
     out = PartSweep([], [], [], [], [])
+    _requeue_stale_parts(session, cutoff, heartbeat_timeout_s, max_attempts, out)
+    _reset_stuck_assemblies(session, now, cutoff, out)
+    out.unsent = _unsent_parts(session, now, resend_after_s)
+    out.assemble = _barrier(session, now - timedelta(seconds=barrier_grace_s))
+    session.rollback()
+    return out
+
+
+def _requeue_stale_parts(
+    session: Session,
+    cutoff: datetime,
+    heartbeat_timeout_s: float,
+    max_attempts: int,
+    out: PartSweep,
+) -> None:
+    """Running parts without a heartbeat since `cutoff`: queued again, or their job failed as
+    worker_lost once `max_attempts` claims were used."""
     stale = repository.current_parts(
         session,
         [JobPart.state == PART_RUNNING, JobPart.heartbeat_at < cutoff, Job.status == RUNNING],
@@ -559,7 +576,12 @@ def sweep_parts(
             out.requeued.append((job_id, attempt, idx))
         else:
             session.rollback()
-    # Assemblies that stopped beating: their job's stage goes back, the barrier resends.
+
+
+def _reset_stuck_assemblies(
+    session: Session, now: datetime, cutoff: datetime, out: PartSweep
+) -> None:
+    """Assemblies that stopped beating: their job's stage goes back, the barrier resends."""
     stuck = repository.job_ids(
         session,
         [
@@ -581,7 +603,13 @@ def sweep_parts(
             out.assembly_reset.append(str(job_id))
         else:
             session.rollback()
-    out.unsent = [
+
+
+def _unsent_parts(
+    session: Session, now: datetime, resend_after_s: float | None
+) -> list[tuple[str, int, int]]:
+    """Queued parts never sent, and (resend_after_s) those sent that long ago, unclaimed."""
+    return [
         (str(j), int(a), int(i))
         for j, a, i, _, _ in repository.current_parts(
             session,
@@ -597,8 +625,11 @@ def sweep_parts(
             ],
         )
     ]
-    # The barrier.
-    grace = now - timedelta(seconds=barrier_grace_s)
+
+
+def _barrier(session: Session, grace: datetime) -> list[tuple[str, int]]:
+    """Jobs whose parts have all been done since before `grace` with no assembly claimed, and
+    cancelled jobs with no open part: each (job, attempt) once."""
     open_parts = exists().where(
         JobPart.job_id == Job.id,
         JobPart.job_attempt == Job.attempts,
@@ -626,6 +657,4 @@ def sweep_parts(
             ~open_parts,
         ],
     )
-    out.assemble = list(dict.fromkeys((str(j), int(a)) for j, a in [*ready, *waiting_cancel]))
-    session.rollback()
-    return out
+    return list(dict.fromkeys((str(j), int(a)) for j, a in [*ready, *waiting_cancel]))
