@@ -26,15 +26,14 @@ from higgs_engine.planning.config import (
 )
 
 
-def format_list(value: str) -> str:
-    """--format: comma separated names of higgs_engine.planning.config.FORMAT_NAMES."""
+def check_formats(value: str) -> None:
+    """--format: comma separated names of higgs_engine.planning.config.FORMAT_NAMES (one
+    CliError line naming the bad value otherwise)."""
     names = [f.strip() for f in value.split(",") if f.strip()]
-    bad = [f for f in names if f not in FORMAT_NAMES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: each format must be one of {', '.join(FORMAT_NAMES)}"
+    if not names or any(f not in FORMAT_NAMES for f in names):
+        raise CliError(
+            f"--format {value!r}: the formats must each be one of {', '.join(FORMAT_NAMES)}"
         )
-    return ",".join(names)
 
 
 def _sign_seed(value: str) -> int | None:
@@ -100,7 +99,6 @@ def register(subparsers: Any) -> None:
     )
     q.add_argument(
         "--format",
-        type=format_list,
         default=",".join(DEFAULT_FORMATS),
         metavar="F[,F]",
         help=f"artifacts to write: any of {', '.join(WRITER_FORMATS)} (default "
@@ -299,6 +297,7 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from higgs_cli import gguf_cmds
 
+    check_formats(args.format)
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads {args.threads} must be at least 1")
     if gguf_cmds.wants_gguf(args):
