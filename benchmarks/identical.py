@@ -132,8 +132,11 @@ def digests(out: Path) -> dict[str, str]:
     return found
 
 
-def quantize(tree: Path, ckpt: Path, out: Path, args: list[str], work: Path) -> None:
-    """`higgs quantize` run by `tree`'s code in a fresh interpreter."""
+def quantize_command(
+    tree: Path, ckpt: Path, out: Path, args: list[str], work: Path, code: str = ""
+) -> tuple[list[str], dict[str, str]]:
+    """`higgs quantize` by `tree`'s code in a fresh interpreter (`code`: run before the CLI in
+    it): the command and its environment."""
     env = {
         **os.environ,
         "PYTHONPATH": str(tree),
@@ -144,7 +147,7 @@ def quantize(tree: Path, ckpt: Path, out: Path, args: list[str], work: Path) -> 
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from higgs_cli.main import main; sys.exit(main(sys.argv[1:]))",
+        code + "\nimport sys; from higgs_cli.main import main; sys.exit(main(sys.argv[1:]))",
         "quantize",
         str(ckpt),
         "--out",
@@ -156,6 +159,12 @@ def quantize(tree: Path, ckpt: Path, out: Path, args: list[str], work: Path) -> 
         str(out.parent / "profiles"),
         *[str(work / "text.txt") if a == "TEXT" else a for a in args],
     ]
+    return cmd, env
+
+
+def quantize(tree: Path, ckpt: Path, out: Path, args: list[str], work: Path) -> None:
+    """`higgs quantize` run by `tree`'s code in a fresh interpreter."""
+    cmd, env = quantize_command(tree, ckpt, out, args, work)
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree}: {' '.join(cmd[3:])} failed:\n{done.stderr[-2000:]}")

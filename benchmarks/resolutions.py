@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Any
 
 from benchmarks.common import markdown_table, write_results
 from benchmarks.house import WORKTREE
-from benchmarks.identical import PROFILE, TEXT, build_checkpoints, tree_of
+from benchmarks.identical import PROFILE, TEXT, build_checkpoints, quantize_command, tree_of
 
 COUNTED = ("resolve_source", "load_config", "build_meta_model")
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -41,9 +39,10 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "sharded source, dynamic": ("sharded", ["--avg-bits", "3.5", *PROFILE]),
 }
 
-# Run in the revision's tree: wrap the counted functions, run the CLI, print the counts.
+# Run in the revision's tree before the CLI: wrap the counted functions; print the counts at
+# exit.
 COUNTER = """
-import collections, json, sys
+import atexit, collections, json
 import higgs_engine.sources as sources
 import higgs_engine.model_structure as structure
 counts = collections.Counter()
@@ -56,36 +55,12 @@ def wrap(module, name):
 wrap(sources, "resolve_source")
 wrap(structure, "load_config")
 wrap(structure, "build_meta_model")
-from higgs_cli.main import main
-rc = main(sys.argv[1:])
-print("COUNTS " + json.dumps(dict(counts)))
-sys.exit(rc)
+atexit.register(lambda: print("COUNTS " + json.dumps(dict(counts)), flush=True))
 """
 
 
 def count(tree: Path, ckpt: Path, out: Path, args: list[str], work: Path) -> dict[str, int]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(tree),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "XDG_CACHE_HOME": str(out.parent / "cache"),
-    }
-    cmd = [
-        sys.executable,
-        "-c",
-        COUNTER,
-        "quantize",
-        str(ckpt),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--quiet",
-        "--profile-cache",
-        str(out.parent / "profiles"),
-        *[str(work / "text.txt") if a == "TEXT" else a for a in args],
-    ]
+    cmd, env = quantize_command(tree, ckpt, out, args, work, COUNTER)
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree}: quantize {' '.join(args)} failed:\n{done.stderr[-2000:]}")

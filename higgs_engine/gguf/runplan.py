@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.planning.gguf_types import (
@@ -39,6 +39,9 @@ from higgs_engine.planning.gguf_types import (
 )
 from higgs_engine.planning.plans import Target
 from higgs_engine.planning.profile import DEFAULT_PROFILE, ProfileConfig
+
+if TYPE_CHECKING:
+    from higgs_engine.sources import SourceIdentity
 
 __all__ = [
     "DEFAULT_ROTATE",
@@ -52,7 +55,6 @@ __all__ = [
     "GgufModel",
     "GgufPlan",
     "GgufRotation",
-    "SourceLike",
     "available_threads",
     "pick_rotation",
     "plan_gguf",
@@ -65,19 +67,6 @@ _MIN_SPLIT_BYTES = 1024**2
 
 ROTATE_MODES = ("off", "on", "auto")
 DEFAULT_ROTATE = "off"
-
-
-class SourceLike(Protocol):
-    """A resolved model: what sources.resolve_source returns (and what is made of it)."""
-
-    @property
-    def path(self) -> Path: ...
-    @property
-    def id(self) -> str: ...
-    @property
-    def revision(self) -> str | None: ...
-    @property
-    def kind(self) -> str: ...
 
 
 def available_threads() -> int:
@@ -270,7 +259,7 @@ class GgufChoices:
 class GgufPlan:
     """Everything a GGUF run does (the module's docstring); see plan_gguf."""
 
-    source: SourceLike
+    source: SourceIdentity
     model: GgufModel
     goal: GgufGoal
     rotation: GgufRotation = field(default_factory=GgufRotation)
@@ -351,7 +340,7 @@ class GgufPlan:
 
 
 def plan_gguf(
-    source: SourceLike,
+    source: SourceIdentity,
     goal: GgufGoal,
     rotation: GgufRotation | None = None,
     layout: GgufLayout | None = None,
