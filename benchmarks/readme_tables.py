@@ -78,6 +78,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("service_noisy", "python -m benchmarks.service_bench --noisy"),
     ("fanout", "python -m benchmarks.fanout"),
     ("house", "python -m benchmarks.house"),
+    ("resolutions", "python -m benchmarks.resolutions"),
     ("gguf_identical", "python -m benchmarks.gguf_identical"),
     ("identical", "python -m benchmarks.identical"),
 ]
