@@ -363,7 +363,7 @@ def _profile(run: _Run) -> Profile:
         model = resolve_model(model.path, plan.source.revision, run.ctx.token)
     how = replace(source, config=plan.profile or source.config)
     layers = model.layer_names((), embeddings=True)
-    got = obtain_profile(model, how, layers, run.progress, plan.compute.device)
+    got = obtain_profile(model, how, layers, run.progress, device=plan.compute.device)
     if got.reused is None:
         run.timed("profiling", t0)
     return got.profile
