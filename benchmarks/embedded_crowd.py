@@ -34,11 +34,17 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.service_bench import NOISY_FILE_BYTES, SUBMIT_BODY, SlowReader, load, make_stack
+from benchmarks.service_bench import (
+    NOISY_FILE_BYTES,
+    SUBMIT_BODY,
+    SlowReader,
+    load,
+    make_stack,
+    start_nibbling,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -125,18 +131,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace) -> dict
             readers.append(SlowReader(stack.url, path, key))
         owner = ids["readers"][0]
         readers += [SlowReader(stack.url, ids["file_path"], owner) for _ in range(args.downloads)]
-        statuses: dict[str, int] = {}
-        for r in readers:
-            statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
-
-        def nibble_all() -> None:
-            while not stop.is_set():
-                for r in readers:
-                    r.nibble()
-                time.sleep(0.05)
-
-        nibbler = threading.Thread(target=nibble_all, daemon=True)
-        nibbler.start()
+        statuses, nibbler = start_nibbling(readers, stop)
         polls = load(
             args.generator,
             stack.url,

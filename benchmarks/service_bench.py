@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -198,6 +199,27 @@ def _wrk(
         "max_ms": round(w["max_us"] / 1000, 2),
         "wrk_threads": threads,
     }
+
+
+def start_nibbling(
+    readers: list[SlowReader], stop: threading.Event
+) -> tuple[dict[str, int], threading.Thread]:
+    """How many `readers` got each HTTP status; then a daemon thread reads a little from each,
+    every 50 ms, until `stop` is set (slow clients that hold their responses open); and that
+    thread."""
+    statuses: dict[str, int] = {}
+    for r in readers:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+
+    def nibble_all() -> None:
+        while not stop.is_set():
+            for r in readers:
+                r.nibble()
+            time.sleep(0.05)
+
+    nibbler = threading.Thread(target=nibble_all, daemon=True)
+    nibbler.start()
+    return statuses, nibbler
 
 
 def load(
@@ -418,8 +440,6 @@ def bench_noisy(
     against uvicorn with 2 workers, no request rate limit and the default stream cap. Reports
     the quiet key's p50/p99 and throughput both ways (goal: p99 with the neighbour within 2x
     of solo)."""
-    import threading
-
     from app.artifacts.manifest import artifact_row
     from app.db.session import create_db_engine, session_factory
     from app.jobs import state
@@ -465,18 +485,7 @@ def bench_noisy(
         ]
         file_path = f"/v1/jobs/{done}/artifacts/native/files/model.safetensors"
         readers += [SlowReader(stack.url, file_path, noisy) for _ in range(downloads)]
-        statuses: dict[str, int] = {}
-        for r in readers:
-            statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
-
-        def nibble_all() -> None:
-            while not stop.is_set():
-                for r in readers:
-                    r.nibble()
-                time.sleep(0.05)
-
-        nibbler = threading.Thread(target=nibble_all, daemon=True)
-        nibbler.start()
+        statuses, nibbler = start_nibbling(readers, stop)
         busy = load("python", stack.url, quiet, "GET", path, clients, duration, None)
         stop.set()
         nibbler.join(5)
