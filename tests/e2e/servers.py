@@ -11,7 +11,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from devtools.stack import free_port
 
@@ -134,3 +136,20 @@ class PrivateRedis:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def wait_finished(
+    client: Any, job_id: str, timeout: float = 180, logs: Callable[[], str] = str
+) -> dict[str, Any]:
+    """GET the job through `client` (an httpx.Client with a key) until it is terminal; its
+    body. AssertionError naming the job (and `logs()`) after `timeout` seconds."""
+    from app.db.models import TERMINAL
+
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in TERMINAL:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} not finished: {job}\n{logs()}")

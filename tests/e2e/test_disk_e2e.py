@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.jobs.service import job_view
 from devtools.stack import Stack
+from tests.e2e.servers import wait_finished
 from tests.e2e.test_faults_e2e import START_TIMEOUT_S, _setup
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under
@@ -77,17 +77,6 @@ def test_the_scratch_of_a_killed_last_attempt_is_swept_and_reported(
         svc.close()
 
 
-def _wait_job(c: httpx.Client, job_id: str, timeout: float, stack: Stack) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/jobs/{job_id}").json()
-        if job["status"] in TERMINAL:
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} not finished: {job}\n{stack.logs()}")
-
-
 def _worker_ready(stack: Stack, extra_env: dict[str, str]) -> Any:
     worker = stack.start_worker(extra_env=extra_env)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -112,7 +101,7 @@ def test_the_disk_quota_refuses_a_full_key_and_stops_a_job_past_it(
     with stack.client(key_a) as a, stack.client(key_b) as b:
         r = a.post("/v1/jobs", json=BODY)
         assert r.status_code == 202, r.text
-        job = _wait_job(a, r.json()["id"], 180, stack)
+        job = wait_finished(a, r.json()["id"], 180, stack.logs)
         assert job["status"] == "succeeded", job
         held = sum(art["bytes"] for art in job["artifacts"])
         assert held > 1
@@ -131,7 +120,7 @@ def test_the_disk_quota_refuses_a_full_key_and_stops_a_job_past_it(
         worker = _worker_ready(
             stack, {"HIGGS_DISK_QUOTA_BYTES_PER_KEY": "1", "HIGGS_DEBUG_LAYER_DELAY_S": "0.3"}
         )
-        job = _wait_job(b, job_b, 180, stack)
+        job = wait_finished(b, job_b, 180, stack.logs)
         assert job["status"] == "failed", job
         assert job["error"]["code"] == "disk_quota_exceeded", job["error"]
         assert job["error"]["scratch_reclaimed_bytes"] > 0

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.e2e.servers import wait_finished
 from tests.fake_hub import FakeHub, Repo
 from tests.fixtures import TINY_MODEL, assert_problem
 
@@ -25,17 +25,6 @@ KEY_TOKEN = "hf_keyAtoken0123456789"
 SERVICE_TOKEN = "hf_serviceToken0123456789"
 PROCESS_TOKEN = "hf_processEnvToken0123456789"
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def _wait(c: httpx.Client, job_id: str, timeout: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = c.get(f"/v1/jobs/{job_id}").json()
-        if job["status"] in TERMINAL:
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} did not finish: {job}")
 
 
 def _submit(c: httpx.Client, model: str, **options: Any) -> httpx.Response:
@@ -92,12 +81,12 @@ def test_a_keys_hub_token_is_used_for_its_jobs_only(
             }
 
             # Key A's job reads the private repository with key A's token.
-            job = _wait(a, _submit(a, "acme/private-tiny").json()["id"])
+            job = wait_finished(a, _submit(a, "acme/private-tiny").json()["id"])
             assert job["status"] == "succeeded", job
             assert f"Bearer {KEY_TOKEN}" in hub.auths("acme/private-tiny")
             assert KEY_TOKEN not in json.dumps(job)
             # Key B's job sends no token and gets nothing, although the files are cached.
-            job = _wait(b, _submit(b, "acme/private-tiny").json()["id"])
+            job = wait_finished(b, _submit(b, "acme/private-tiny").json()["id"])
             assert (job["status"], job["error"]["code"]) == ("failed", "model_not_found"), job
 
             # The submit check of a gguf job reads config.json with the job's token: key A
@@ -105,20 +94,20 @@ def test_a_keys_hub_token_is_used_for_its_jobs_only(
             assert_problem(_submit(a, "acme/private-odd", formats=["gguf"]), 422, "options.formats")
             r = _submit(b, "acme/private-odd", formats=["gguf"])
             assert r.status_code == 202, r.text
-            assert _wait(b, r.json()["id"])["error"]["code"] == "model_not_found"
+            assert wait_finished(b, r.json()["id"])["error"]["code"] == "model_not_found"
             config_reads = [
                 s.auth for s in hub.seen if s.path.endswith("/private-odd/resolve/main/config.json")
             ]
             assert f"Bearer {KEY_TOKEN}" in config_reads and None in config_reads
 
             # The service token is allowed for no key: key B cannot use it.
-            job = _wait(b, _submit(b, "acme/service-tiny").json()["id"])
+            job = wait_finished(b, _submit(b, "acme/service-tiny").json()["id"])
             assert job["error"]["code"] == "model_not_found", job
 
             # Cleared: key A reads anonymously again.
             r = a.delete("/v1/keys/me/hub-token")
             assert r.status_code == 200 and r.json()["set"] is False
-            job = _wait(a, _submit(a, "acme/private-tiny", seed=1).json()["id"])
+            job = wait_finished(a, _submit(a, "acme/private-tiny", seed=1).json()["id"])
             assert job["error"]["code"] == "model_not_found", job
 
         every = {s.auth for s in hub.seen}
@@ -130,7 +119,7 @@ def test_a_keys_hub_token_is_used_for_its_jobs_only(
         stack.env["HIGGS_HF_TOKEN_KEYS"] = "*"
         stack.start_serve()
         with stack.client(key_b) as b:
-            job = _wait(b, _submit(b, "acme/service-tiny", seed=2).json()["id"])
+            job = wait_finished(b, _submit(b, "acme/service-tiny", seed=2).json()["id"])
             assert job["status"] == "succeeded", job
         assert f"Bearer {SERVICE_TOKEN}" in hub.auths("acme/service-tiny")
         assert PROCESS_TOKEN not in {s.auth for s in hub.seen}
