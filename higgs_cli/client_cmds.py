@@ -473,7 +473,8 @@ def register(subparsers: Any) -> None:
         "--formats",
         default=None,
         help=f"comma separated: any of {','.join(WRITER_FORMATS)} (HIGGS), or one of "
-        f"{','.join(WHOLE_FILE_FORMATS)} alone (gguf: a llama.cpp file)",
+        f"{','.join(WHOLE_FILE_FORMATS)} alone (gguf: a llama.cpp file; compressed-tensors: "
+        "a checkpoint vLLM and transformers load)",
     )
     p.add_argument(
         "--scope",

@@ -103,7 +103,7 @@ def register(subparsers: Any) -> None:
         metavar="F[,F]",
         help=f"artifacts to write: any of {', '.join(WRITER_FORMATS)} (default "
         f"{','.join(DEFAULT_FORMATS)}); or one of {', '.join(WHOLE_FILE_FORMATS)} alone "
-        "(gguf: a llama.cpp file)",
+        "(gguf: a llama.cpp file; compressed-tensors: a checkpoint vLLM and transformers load)",
     )
     q.add_argument(
         "--method",
@@ -294,12 +294,30 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_ct(args: argparse.Namespace) -> int:
+    from higgs_cli import ct_cmds
+
+    quiet_libraries()
+    bars = StageBars(args.quiet)
+    try:
+        rep = ct_cmds.ct_quantize(args, bars)
+    finally:
+        bars.close()
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
+    else:
+        print("\n".join(ct_cmds.summary_lines(rep, Path(args.out))))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from higgs_cli import gguf_cmds
+    from higgs_cli import ct_cmds, gguf_cmds
 
     check_formats(args.format)
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads {args.threads} must be at least 1")
+    if ct_cmds.wants_ct(args):
+        return _quantize_ct(args)
     if gguf_cmds.wants_gguf(args):
         if args.scope == "linear":
             raise CliError(

@@ -6,6 +6,10 @@
     dequantized  transformers' model class built on the meta device from the artifact's
                  config, every parameter matched by name and shape against the safetensors
                  headers (and the config's sizing fields checked against them)
+    compressed-tensors
+                 transformers loads the directory through the compressed-tensors library
+                 (AutoModelForCausalLM, AutoModel for an encoder), as a vLLM or transformers
+                 user's from_pretrained does, and runs a few tokens: the outputs are finite
     gguf         llama.cpp (llama-cpp-python) loads the file with its own defaults (memory
                  mapped) and evaluates a few tokens, in a subprocess: a file llama.cpp
                  rejects, or one that crashes it, fails here and not in the user's hands
@@ -22,7 +26,13 @@ from pathlib import Path
 
 from higgs_engine.errors import CorruptCheckpointError, HiggsError, OutOfMemoryError
 
-__all__ = ["NATIVE_LOAD_BYTES", "verify_artifacts", "verify_dequantized", "verify_gguf"]
+__all__ = [
+    "NATIVE_LOAD_BYTES",
+    "verify_artifacts",
+    "verify_compressed_tensors",
+    "verify_dequantized",
+    "verify_gguf",
+]
 
 # A native artifact up to this size is loaded whole (a few seconds for ~1B parameters).
 NATIVE_LOAD_BYTES = 1 << 30
@@ -41,6 +51,8 @@ def verify_artifacts(out: Path, formats: Sequence[str]) -> None:
             verify_dequantized(d)
         elif fmt == "gguf":
             verify_gguf(d)
+        elif fmt == "compressed-tensors":
+            verify_compressed_tensors(d)
 
 
 def verify_native(path: Path) -> None:
@@ -79,6 +91,60 @@ def verify_dequantized(path: Path) -> None:
             )
     if missing:
         raise CorruptCheckpointError(f"the dequantized artifact lacks tensors {missing[:3]}")
+
+
+def verify_compressed_tensors(path: Path) -> dict[str, object]:
+    """transformers loads `path` through compressed-tensors and runs 8 tokens with finite
+    outputs; returns what was checked (the class, the library versions, seconds)."""
+    import time
+
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        qc = getattr(config, "quantization_config", None)
+        method = (
+            qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        )
+        if str(method) != "compressed-tensors":
+            raise CorruptCheckpointError(
+                f"{path.name}: config.json's quantization_config is not compressed-tensors "
+                f"(quant_method {method!r})"
+            )
+        archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
+        causal = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+        auto = AutoModelForCausalLM if causal else AutoModel
+        model = auto.from_pretrained(str(path)).eval()
+        vocab = int(getattr(config, "vocab_size", 0) or 2)
+        ids = (torch.arange(8) * 7919 % max(vocab - 1, 1)).unsqueeze(0)
+        with torch.no_grad():
+            out = model(input_ids=ids)
+        values = out.logits if causal else out.last_hidden_state
+    except CorruptCheckpointError:
+        raise
+    except MemoryError as exc:
+        raise OutOfMemoryError(f"transformers ran out of memory loading {path.name}") from exc
+    except Exception as exc:  # whatever transformers raises: the user would see it too
+        raise CorruptCheckpointError(
+            f"transformers cannot load the compressed-tensors checkpoint {path.name}: "
+            f"{type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
+    if not bool(torch.isfinite(values.float()).all()):
+        raise CorruptCheckpointError(
+            f"the compressed-tensors checkpoint {path.name} loads but gives non-finite outputs"
+        )
+    import compressed_tensors
+
+    return {
+        "loader": f"transformers {auto.__name__}",
+        "class": type(model).__name__,
+        "transformers": transformers.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _stored(model: object, key: str) -> bool:

@@ -10,7 +10,9 @@ machine. The CLI and the worker reach the engine's orchestration only through th
                plan_dynamic, the profile (given, found in the stores or measured, stage
                "profiling") and the exact allocation (stage "allocating"), whose per-layer
                grids are the plan's config; gguf (job.gguf): a llama.cpp GGUF file
-               (higgs_engine.gguf.run), with job.target or the options' bits / ftype
+               (higgs_engine.gguf.run), with job.target or the options' bits / ftype;
+               compressed-tensors (job.ct): one vLLM scheme per linear layer, as data
+               (higgs_engine.ct.run), uniform bits or allocated for job.target
     run_part   a sharded source, one part (one shard) of it (higgs_engine.parts); an
                unsharded source is one run over the whole checkpoint (higgs_engine.pipeline)
     assemble   the artifacts' small files from the parts' metadata, and report.json
@@ -39,7 +41,7 @@ from higgs_engine.calibration import CalibrationRequest
 from higgs_engine.dynamic import ProfileSource
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.parts import Part, PartResult
-from higgs_engine.planning.config import HiggsConfig, check_method_job
+from higgs_engine.planning.config import HiggsConfig, WholeFileFormat, check_method_job
 from higgs_engine.planning.plans import Target, annotate_report
 from higgs_engine.planning.profile import Profile
 from higgs_engine.progress import ProgressCallback, report
@@ -54,6 +56,7 @@ __all__ = [
     "JOB_PLAN_VERSION",
     "Annotate",
     "CalibrationRequest",
+    "CtOptions",
     "DynamicChoice",
     "GgufOptions",
     "JobPlan",
@@ -71,7 +74,9 @@ __all__ = [
 ]
 
 JOB_PLAN_VERSION = 1
-PlanKind = Literal["uniform", "dynamic", "gguf"]
+# A HIGGS plan, or one of each whole-file format (gguf, compressed-tensors): planned as data,
+# run by its format's writer.
+PlanKind = Literal["uniform", "dynamic", WholeFileFormat]
 
 # What a caller adds to the report, given the staged output directory, before report.json.
 Annotate = Callable[[Report, Path], None]
@@ -103,6 +108,16 @@ class GgufOptions:
 
 
 @dataclass(frozen=True)
+class CtOptions:
+    """A compressed-tensors job (higgs_engine.ct.run): `bits` 4 (int4 W4A16) or 8 (int8 per
+    channel) for every linear layer, or None with the job's target (the allocator's schemes
+    over vLLM's menu); the checkpoint's 16-bit `dtype`."""
+
+    bits: int | None = None
+    dtype: str = "float16"
+
+
+@dataclass(frozen=True)
 class QuantizeJob:
     """One quantization: `source` (local directory or Hub id at `revision`, or a model
     resolved already) with `config`, uniform (target None) or allocated per layer for
@@ -111,7 +126,9 @@ class QuantizeJob:
     torch threads (None: torch's default). `gguf`: a GGUF file instead of HIGGS artifacts
     (`config` and `calibration` then refused). `annotate`: the caller's additions to the
     report, run before report.json is written; `on_plan`: told the JobPlan once it is made,
-    before the quantization. A job that cannot be planned fails here, naming the field."""
+    before the quantization. `ct`: a compressed-tensors checkpoint for vLLM / transformers
+    instead (`config` and `calibration` refused too). A job that cannot be planned fails
+    here, naming the field."""
 
     source: str | Path | ResolvedModel
     config: HiggsConfig = field(default_factory=HiggsConfig)
@@ -123,6 +140,7 @@ class QuantizeJob:
     token: str | None = None
     overwrite: bool = False
     gguf: GgufOptions | None = None
+    ct: CtOptions | None = None
     annotate: Annotate | None = None
     on_plan: Callable[[JobPlan], None] | None = None
     threads: int | None = None
@@ -139,11 +157,32 @@ class QuantizeJob:
                 )
             if self.calibration is not None:
                 raise InvalidConfigError("calibration: a GGUF job is not calibrated")
+        if self.ct is not None:
+            if self.gguf is not None:
+                raise InvalidConfigError(
+                    "formats: a GGUF file and a compressed-tensors checkpoint are two jobs",
+                    field="formats",
+                )
+            if self.config != HiggsConfig():
+                raise InvalidConfigError(
+                    "config: a compressed-tensors job takes vLLM's schemes, not a HIGGS config"
+                )
+            if self.calibration is not None:
+                raise InvalidConfigError(
+                    "calibration: a compressed-tensors job is data-free", field="calibration"
+                )
+            if (self.ct.bits is None) == (self.target is None):
+                raise InvalidConfigError(
+                    "bits: a compressed-tensors job takes bits (4 or 8) or a target, exactly one",
+                    field="bits",
+                )
 
     @property
     def kind(self) -> PlanKind:
         if self.gguf is not None:
             return "gguf"
+        if self.ct is not None:
+            return "compressed-tensors"
         return "dynamic" if self.target is not None else "uniform"
 
 
@@ -191,7 +230,8 @@ class JobPlan:
     run over the whole checkpoint); `device` and `threads`; the `calibration` used (its
     description; the token windows stay with the caller); the `profile` the report's alphas
     and predicted change come from; a dynamic plan's `dynamic` choice; a GGUF plan's `gguf`
-    options. Validated when built (InvalidConfigError naming the field)."""
+    options; a compressed-tensors plan's `ct` entry (each layer's scheme, as data:
+    higgs_engine.ct.run). Validated when built (InvalidConfigError naming the field)."""
 
     kind: PlanKind
     source: dict[str, Any]
@@ -204,6 +244,7 @@ class JobPlan:
     profile: dict[str, Any] | None = None
     dynamic: DynamicChoice | None = None
     gguf: dict[str, Any] | None = None
+    ct: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(PlanKind):
@@ -220,6 +261,16 @@ class JobPlan:
             raise InvalidConfigError("dynamic: a dynamic plan, and only one, has its choice")
         if (self.kind == "gguf") != (self.gguf is not None):
             raise InvalidConfigError("gguf: a GGUF plan, and only one, has its options")
+        if (self.kind == "compressed-tensors") != (self.ct is not None):
+            raise InvalidConfigError(
+                "ct: a compressed-tensors plan, and only one, has its schemes", field="ct"
+            )
+        if self.ct is not None:
+            from higgs_engine.ct.run import check_ct_plan
+
+            check_ct_plan(self.ct)
+            if self.parts:
+                raise InvalidConfigError("parts: a compressed-tensors plan is one run")
         if self.calibration is not None and self.parts:
             raise InvalidConfigError("calibration: a calibrated run is not split into parts")
 
@@ -241,6 +292,7 @@ class JobPlan:
             "profile": self.profile,
             "dynamic": None if self.dynamic is None else self.dynamic.to_dict(),
             "gguf": self.gguf,
+            "ct": self.ct,
         }
 
     @classmethod
@@ -261,7 +313,10 @@ class JobPlan:
                 profile=d["profile"],
                 dynamic=None if d["dynamic"] is None else DynamicChoice.from_dict(d["dynamic"]),
                 gguf=d["gguf"],
+                ct=d.get("ct"),
             )
+        except InvalidConfigError:
+            raise  # names its field already
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidConfigError(f"job plan: {type(exc).__name__}: {exc}") from exc
 
@@ -308,6 +363,8 @@ def plan(
     from higgs_engine.parts import planned_layers, source_parts
 
     model = model if model is not None else resolve(job, progress)
+    if job.ct is not None:
+        return _plan_ct(job, job.ct, model, progress)
     config, profile, dynamic = job.config, job.profile.profile, None
     if job.target is not None and job.gguf is None:
         config, profile, dynamic = _plan_dynamic(job, job.target, model, progress)
@@ -328,6 +385,26 @@ def plan(
         profile=None if profile is None else _plain(profile.to_dict()),
         dynamic=dynamic,
         gguf=None if job.gguf is None else _plain(job.gguf.to_dict()),
+    )
+
+
+def _plan_ct(
+    job: QuantizeJob, ct: CtOptions, model: ResolvedModel, progress: ProgressCallback | None
+) -> JobPlan:
+    """A compressed-tensors job's plan: every linear layer's scheme (higgs_engine.ct.run)."""
+    from higgs_engine.ct.run import plan_ct
+
+    entry, profile = plan_ct(
+        model, ct.bits, job.target, job.profile, ct.dtype, progress, job.device
+    )
+    return JobPlan(
+        kind="compressed-tensors",
+        source=model.ref(),
+        config=job.config,
+        device=job.device or "cpu",
+        threads=job.threads,
+        profile=None if profile is None else _plain(profile.to_dict()),
+        ct=entry,
     )
 
 
@@ -444,6 +521,8 @@ def _execute(planned: JobPlan, out: Path, inputs: RunInputs, overwrite: bool, t0
     from higgs_engine.run_core import RunContext
 
     with _threads(planned.threads), atomic_output(out, overwrite) as tmp:
+        if planned.ct is not None:
+            return _write_ct(planned, planned.ct, tmp, inputs, t0)
         if planned.sharded:
             return _run_parts(planned, tmp, inputs, t0)
         ctx = RunContext(
@@ -456,6 +535,22 @@ def _execute(planned: JobPlan, out: Path, inputs: RunInputs, overwrite: bool, t0
         )
         annotate = _chain([*_plan_annotations(planned), inputs.annotate])
         return quantize_whole(ctx, inputs.calibration, annotate, started=t0)
+
+
+def _write_ct(
+    planned: JobPlan, entry: Mapping[str, Any], tmp: Path, inputs: RunInputs, t0: float
+) -> Report:
+    """A compressed-tensors plan: the checkpoint, the plan's and the caller's annotations, then
+    the one write of report.json."""
+    from higgs_engine.ct.run import write_ct
+
+    rep = write_ct(entry, inputs.model, tmp, inputs.progress, inputs.timings)
+    rep.timings["total"] = time.perf_counter() - t0
+    annotate = _chain([*_plan_annotations(planned), inputs.annotate])
+    if annotate is not None:
+        annotate(rep, tmp)
+    rep.save(tmp / "report.json")
+    return rep
 
 
 def _run_parts(planned: JobPlan, tmp: Path, inputs: RunInputs, t0: float) -> Report:

@@ -216,14 +216,15 @@ def job_profile_source(
 
 def profile_entry(plan: JobPlan, source: SourceIdentity) -> dict[str, Any]:
     """The report's metrics.service.profile of a dynamic job: where its profile came from
-    (the plan's record of it)."""
-    if plan.dynamic is None:
+    (the plan's record of it; a compressed-tensors plan's allocation keeps it)."""
+    alloc = (plan.ct or {}).get("allocation")
+    if plan.dynamic is not None:
+        reused, seconds = plan.dynamic.reused, plan.dynamic.profile_s
+    elif alloc is not None:
+        reused, seconds = alloc["profile_reused"], float(alloc["profiling_s"])
+    else:
         raise InvalidConfigError(f"the job plan is {plan.kind}, not dynamic")
-    return {
-        "reused": plan.dynamic.reused,
-        "seconds": round(plan.dynamic.profile_s, 4),
-        "revision": profile_revision(source),
-    }
+    return {"reused": reused, "seconds": round(seconds, 4), "revision": profile_revision(source)}
 
 
 def annotate_uniform(

@@ -37,6 +37,7 @@ from app.artifacts.store import StoreUnavailableError
 from app.jobs import state
 from app.jobs.job_config import JobConfig
 from higgs_engine.errors import CancelledError, InvalidConfigError
+from higgs_engine.planning.ct_targets import CT_FORMAT
 from worker.attempt import (
     Attempt,
     Dispatch,
@@ -162,6 +163,7 @@ def _run_attempt(attempt: Attempt) -> Path | None:
         and not job_cfg.calibration
         and not job_cfg.evaluate
         and not job_cfg.gguf
+        and not job_cfg.ct
     )
     if job_cfg.gguf:
         found = locate(_request(attempt))
@@ -230,7 +232,7 @@ def _engine_job(
     on_plan: Callable[[JobPlan], None] | None = None,
 ) -> QuantizeJob:
     """The engine's QuantizeJob of the claimed job (calibration aside) on `model`."""
-    from higgs_engine.job import ProfileSource, QuantizeJob
+    from higgs_engine.job import CtOptions, ProfileSource, QuantizeJob
     from higgs_engine.planning.plans import Target
 
     cfg, claimed = attempt.cfg, attempt.claimed
@@ -238,9 +240,20 @@ def _engine_job(
     requested = (claimed.request.get("model") or {}).get("revision")
     profile = ProfileSource()
     if dynamic:
-        menu_p = job_menu_p(job_cfg, claimed.request)
+        menu_p = None if job_cfg.ct else job_menu_p(job_cfg, claimed.request)
         ps = cfg.profile_settings()
         profile = job_profile_source(attempt.sessions, model, requested, menu_p, ps)
+    if job_cfg.ct:  # vLLM's schemes per layer; of the HIGGS config only the dtype
+        bits = None if dynamic else int(job_cfg.target_value)
+        return QuantizeJob(
+            model,
+            target=Target(**dict(job_cfg.target)) if dynamic else None,
+            profile=profile,
+            device=cfg.device,
+            annotate=annotate,
+            on_plan=on_plan,
+            ct=CtOptions(bits=bits, dtype=job_cfg.higgs_config().dtype),
+        )
     return QuantizeJob(
         model,
         job_cfg.higgs_config(),
@@ -261,8 +274,12 @@ def _run_here(attempt: Attempt, job_cfg: JobConfig, model: ResolvedModel) -> Pat
     sessions, cfg, writer = attempt.sessions, attempt.cfg, attempt.writer
     evaluate = job_cfg.evaluate
     engine_cfg = job_cfg.higgs_config()
+    formats = [CT_FORMAT] if job_cfg.ct else list(engine_cfg.formats)
+    # what options.evaluate measures: the native artifact, or the compressed-tensors
+    # checkpoint as transformers loads it
+    measured = CT_FORMAT if job_cfg.ct else "native"
     _check_evaluate(cfg, job_cfg)
-    if evaluate and "native" not in engine_cfg.formats:
+    if evaluate and measured not in formats:
         raise InvalidConfigError("options.evaluate=true needs the native format in options.formats")
     # Calibrated HIGGS: the uploaded text, checked here and tokenized with the model's
     # tokenizer before any quantization (a text with too few tokens fails the job, nothing
@@ -275,20 +292,20 @@ def _run_here(attempt: Attempt, job_cfg: JobConfig, model: ResolvedModel) -> Pat
 
     def annotate(report: Report, staged: Path) -> None:
         record_service(report, attempt.worker_id, t0)
-        if planned and planned[0].dynamic is not None:
+        if planned and job_cfg.is_dynamic:
             report.metrics.setdefault("service", {})["profile"] = profile_entry(planned[0], model)
         elif cfg.profiles is not None:
             annotate_uniform(sessions, model, cfg.profiles, report)
         if evaluate:
             t1 = time.perf_counter()
             es = EvalSettings(cfg.eval_text_file, cfg.eval_context, cfg.eval_windows)
-            report.metrics.update(evaluate_artifact(model.path, staged / "native", es, writer))
+            report.metrics.update(evaluate_artifact(model.path, staged / measured, es, writer))
             report.timings["evaluating"] = time.perf_counter() - t1
 
     job = _engine_job(attempt, job_cfg, model, annotate, planned.append)
     report = run(with_(job, calibration=calibration), out, writer)
     engine_s = float(report.metrics["service"]["engine_wall_s"])
-    final = publish_result(attempt, out, report, list(engine_cfg.formats), model.revision)
+    final = publish_result(attempt, out, report, formats, model.revision)
     log.info("job %s: succeeded in %.2f s (engine)", attempt.job_id, engine_s)
     return final
 

@@ -10,7 +10,9 @@ stored, so a job queued before an upgrade still runs after it:
                  "calibration": {"id", "sha256", "bytes", "tokens"},  (calibrated jobs only)
                  "menu_p": int,  (dynamic jobs restricted to one grid dimension only)
                  "gguf": true,  (GGUF jobs only: llama.cpp's types; "engine" then unused)
-                 "gguf_rotate": "on" | "auto"}  (GGUF jobs asking for a rotation only)
+                 "gguf_rotate": "on" | "auto",  (GGUF jobs asking for a rotation only)
+                 "ct": true}  (compressed-tensors jobs only: vLLM's schemes; "engine"
+                               carries only the checkpoint's dtype that is used)
 
 A new shape gets a new version number and a branch in `load`; `to_dict` always writes the
 newest one.
@@ -54,6 +56,10 @@ class JobConfig(BaseModel):
     gguf: bool = False
     # GGUF jobs: options.gguf_rotate ("off" / "on" / "auto"); None (absent) = off.
     gguf_rotate: Literal["off", "on", "auto"] | None = None
+    # A compressed-tensors checkpoint (options.formats ["compressed-tensors"]): vLLM's schemes
+    # per linear layer for the target; of `engine` only the dtype is used. Absent (false)
+    # otherwise.
+    ct: bool = False
 
     @field_validator("engine")
     @classmethod
@@ -96,6 +102,8 @@ class JobConfig(BaseModel):
             d.pop("menu_p", None)
         if not d.get("gguf"):
             d.pop("gguf", None)
+        if not d.get("ct"):
+            d.pop("ct", None)
         if d.get("gguf_rotate") in (None, "off"):
             d.pop("gguf_rotate", None)
         return d

@@ -45,6 +45,13 @@ from higgs_engine.planning.config import (
     HiggsConfig,
     check_method_job,
 )
+from higgs_engine.planning.ct_targets import (
+    CT_BITS,
+    CT_DTYPES,
+    CT_FORMAT,
+    CT_MIN_AVG_BITS,
+    ct_architecture_problem,
+)
 from higgs_engine.planning.stages import stage_unit
 
 _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -105,9 +112,12 @@ def validate_request(
             "this service (HIGGS_DYNAMIC_TARGETS=false); use target.bits",
         )
     gguf = "gguf" in opts.formats
+    ct = CT_FORMAT in opts.formats
     if gguf:
         check_gguf_request(req, ref, registry, hub)
-    cfg = _engine_config(req, gguf, settings)
+    elif ct:
+        check_ct_request(req, ref, registry, hub)
+    cfg = _engine_config(req, gguf or ct, settings)
     try:
         check_method_job(
             opts.method,
@@ -130,33 +140,35 @@ def validate_request(
             engine=cfg.to_dict(),
             target={kind: value},
             evaluate=opts.evaluate,
-            menu_p=opts.p if kind in DYNAMIC_TARGETS and not gguf else None,
+            menu_p=opts.p if kind in DYNAMIC_TARGETS and not (gguf or ct) else None,
             gguf=gguf,
             gguf_rotate=opts.gguf_rotate if gguf else None,
+            ct=ct,
         ),
         model_id=req.model.id,
         webhook_url=webhook_url,
     )
 
 
-def _engine_config(req: JobCreate, gguf: bool, settings: Settings) -> HiggsConfig:
-    """The engine's HiggsConfig of a request (for a GGUF job, the unused defaults), its grid
+def _engine_config(req: JobCreate, whole_file: bool, settings: Settings) -> HiggsConfig:
+    """The engine's HiggsConfig of a request (for a whole-file job, GGUF or compressed-tensors,
+    the defaults, unused but for the dtype), its grid
     options and dynamic target checked; 422 naming the field."""
     kind, value = req.target.kind, req.target.value
     opts = req.options
     common: dict[str, Any] = {
         "group_size": opts.group_size,
         "rotation_block": opts.rotation_block,
-        # a GGUF job's HIGGS config is unused: the engine's defaults
-        "formats": ("native",) if gguf else tuple(opts.formats),
+        # a whole-file job's HIGGS config is unused: the engine's defaults
+        "formats": ("native",) if whole_file else tuple(opts.formats),
         "skip": tuple(opts.skip),
         "dtype": opts.dtype,
         "sign_seed": opts.sign_seed,
         "scale_rule": opts.scale_rule,
         "seed": opts.seed,
         # a GGUF job quantizes the embedding in llama.cpp's types; its HIGGS config is unused
-        "scope": "linear" if gguf else opts.scope,
-        "method": DEFAULT_METHOD if gguf else opts.method,
+        "scope": "linear" if whole_file else opts.scope,
+        "method": DEFAULT_METHOD if whole_file else opts.method,
     }
     check_grid_dim(opts.p)
     sizes = SUPPORTED_GRIDS.get(opts.p) if opts.p is not None else None
@@ -310,6 +322,76 @@ def check_gguf_request(
             "options.formats",
             f"llama.cpp's converter does not know the architecture {arch} of "
             f"{req.model.id!r}: the gguf format is not available for it",
+        )
+
+
+def check_ct_request(
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
+) -> None:
+    """What a compressed-tensors job can be asked for: the format alone, no HIGGS option but a
+    16-bit dtype, data-free, target.bits 4 or 8 or a budget vLLM's schemes can meet, and an
+    architecture transformers can load as compressed-tensors (a local model's as registered,
+    a Hub model's from its config.json through `hub`)."""
+    opts = req.options
+    higgs_only = [n for n in HIGGS_ONLY_OPTIONS if n in opts.model_fields_set and n != "dtype"]
+    if higgs_only or "scope" in opts.model_fields_set or "method" in opts.model_fields_set:
+        names = [f"options.{n}" for n in higgs_only]
+        names += [f"options.{n}" for n in ("scope", "method") if n in opts.model_fields_set]
+        raise ValidationFailedError(
+            f"{', '.join(names)}: HIGGS options that a compressed-tensors checkpoint does not "
+            "take (its layers are in vLLM's schemes, chosen for the target); omit them",
+            errors=[
+                {
+                    "field": n,
+                    "message": f"{n} is a HIGGS option; a compressed-tensors job does not take it",
+                }
+                for n in names
+            ],
+        )
+    if opts.dtype not in CT_DTYPES:
+        raise ValidationFailedError.field(
+            "options.dtype",
+            f"options.dtype={opts.dtype!r}: a compressed-tensors checkpoint is one of "
+            f"{', '.join(CT_DTYPES)}",
+        )
+    if len(opts.formats) > 1:
+        raise ValidationFailedError.field(
+            "options.formats",
+            "compressed-tensors is a checkpoint of vLLM's schemes, not of HIGGS codes: ask for "
+            'it alone (options.formats ["compressed-tensors"]) and for other formats in '
+            "another job",
+        )
+    if opts.calibration is not None:
+        raise ValidationFailedError.field(
+            "options.calibration",
+            "the compressed-tensors format is data-free here: calibration is not available",
+        )
+    kind, value = req.target.kind, req.target.value
+    if kind == "bits" and value not in CT_BITS:
+        raise ValidationFailedError.field(
+            "target.bits",
+            f"target.bits={value:g}: compressed-tensors takes 4 (int4 W4A16) or 8 (int8 per "
+            "channel); give target.avg_bits for a mix of vLLM's schemes",
+        )
+    if kind == "avg_bits" and value < CT_MIN_AVG_BITS:
+        raise ValidationFailedError.field(
+            "target.avg_bits",
+            f"target.avg_bits={value:g} is below the cheapest compressed-tensors scheme "
+            f"(int4 in groups of 128, {CT_MIN_AVG_BITS:g} bits per weight)",
+        )
+    arch = None
+    if ref.kind == "local":
+        if ref.path is not None:
+            arch = read_architecture(ref.path)
+        elif registry is not None:
+            arch = registry.architecture(req.model.id)
+    elif ref.kind == "hub" and hub is not None:
+        arch = hub(req.model.id, req.model.revision)
+    problem = None if arch is None else ct_architecture_problem(arch)
+    if problem is not None:
+        raise ValidationFailedError.field(
+            "options.formats",
+            f"{problem}: the compressed-tensors format is not available for {req.model.id!r}",
         )
 
 

@@ -21,9 +21,9 @@ SUPPORTED_GRIDS: dict[int, tuple[int, ...]] = {
 # API's options.formats, the CLI's --format, the console's download links) derives from these.
 # A writer format is streamed tensor by tensor through its FormatWriter (higgs_engine/formats/);
 # a whole-file format is made from the 16-bit checkpoint by another tool (gguf: llama.cpp,
-# higgs_engine/gguf/). Adding a format: its name in one of the two Literals, then its module.
+# higgs_engine/gguf/; compressed-tensors: that library's compressors, higgs_engine/ct/). Adding a format: its name in one of the two Literals, then its module.
 WriterFormat = Literal["native", "dequantized"]
-WholeFileFormat = Literal["gguf"]
+WholeFileFormat = Literal["gguf", "compressed-tensors"]
 FormatName = Literal[WriterFormat, WholeFileFormat]
 WRITER_FORMATS: tuple[str, ...] = get_args(WriterFormat)
 WHOLE_FILE_FORMATS: tuple[str, ...] = get_args(WholeFileFormat)

@@ -332,7 +332,7 @@ function readForm() {
   const body = { model: { id: $("model").value.trim() }, target: { [mode]: Number.isFinite(bits) ? bits : raw } };
   if ($("evaluate").checked) body.options = { evaluate: true };
   const output = document.querySelector('input[name="output"]:checked').value;
-  if (output === "gguf") body.options = { ...(body.options || {}), formats: ["gguf"] };
+  if (output !== "higgs") body.options = { ...(body.options || {}), formats: [output] };
   const hook = $("webhook-url").value.trim();
   if (hook) body.webhook_url = hook;
   return { mode, bits, body };
@@ -519,8 +519,9 @@ async function renderResult(job) {
 
   const formats = new Set((job.artifacts || []).map((a) => a.format));
   renderDownloads(job.id, [...formats]);
-  $("run-it").hidden = !formats.has("gguf");
+  $("run-it").hidden = !formats.has("gguf") && !formats.has("compressed-tensors");
   if (formats.has("gguf")) renderRunIt(job);
+  if (formats.has("compressed-tensors")) renderRunItCt(job);
   try {
     const layers = await api("GET", `/v1/jobs/${job.id}/layers`);
     $("layers-chart").replaceChildren(layersChart(layers.data));
@@ -549,6 +550,8 @@ async function renderResult(job) {
 
 // The llama.cpp and Ollama commands for a GGUF job's file, with its real file name.
 async function renderRunIt(job) {
+  $("run-it-hint").textContent =
+    "The download is a tar holding gguf/ with the file (or its -0000k-of-0000N shards: give llama.cpp the first).";
   let file = "model.gguf";
   try {
     const listing = await api("GET", `/v1/jobs/${job.id}/artifacts/gguf`);
@@ -569,11 +572,24 @@ async function renderRunIt(job) {
   ].join("\n");
 }
 
+// The vLLM and transformers commands for a compressed-tensors job's directory.
+function renderRunItCt(job) {
+  $("run-it-hint").textContent =
+    "The download is a tar holding compressed-tensors/, a checkpoint vLLM, SGLang and transformers load.";
+  $("run-it-commands").textContent = [
+    `tar -xf ${job.id}-compressed-tensors.tar`,
+    "# vLLM (a GPU server)",
+    "vllm serve ./compressed-tensors",
+    "# transformers (pip install compressed-tensors)",
+    "python -c \"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('compressed-tensors')\"",
+  ].join("\n");
+}
+
 // A signed link for a plain <a download>: fetched with the key, valid for a few minutes,
 // refreshed on click when it is about to expire.
 // One download link per format the job's artifacts name: the names come from the API, never
 // from a list here (only how a name is shown: llama.cpp's file format is spelled GGUF).
-const FORMAT_LABELS = { gguf: "GGUF" };
+const FORMAT_LABELS = { gguf: "GGUF", "compressed-tensors": "compressed-tensors" };
 
 function renderDownloads(jobId, formats) {
   $("downloads").replaceChildren(
