@@ -128,5 +128,8 @@ def summary_lines(rep: Any, out: Path) -> list[str]:
     check = m.get("load_check") or {}
     if check:
         lines.append(f"checked: {check['loader']} loads it ({check['class']})")
-    lines.append(f"serve it: vllm serve {d}")
+    if str(check.get("class", "")).endswith(("ForCausalLM", "LMHeadModel")):
+        lines.append(f"serve it: vllm serve {d}")
+    else:  # an encoder: its embeddings, through transformers (or vLLM's pooling runner)
+        lines.append(f"load it: transformers.AutoModel.from_pretrained({str(d)!r})")
     return lines

@@ -1,7 +1,7 @@
 """HIGGS quantization engine: Hadamard rotation + MSE-optimal Gaussian grids, data-free.
 
-The public entry point is `run(QuantizeJob(...), out)` (higgs_engine.job: uniform, dynamic and
-GGUF jobs, planned as a JobPlan and run part by part); `quantize_checkpoint` is one config over
+The public entry point is `run(QuantizeJob(...), out)` (higgs_engine.job: uniform, dynamic,
+GGUF and compressed-tensors jobs, planned as a JobPlan and run part by part); `quantize_checkpoint` is one config over
 the whole checkpoint in one run. They are imported lazily so that light consumers (the API
 validating a config) do not pay for torch.
 """
@@ -17,7 +17,7 @@ from higgs_engine.report import LayerReport, Report
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from higgs_engine.job import ProfileSource, QuantizeJob, run
+    from higgs_engine.job import CtOptions, ProfileSource, QuantizeJob, run
     from higgs_engine.pipeline import quantize_checkpoint
 
 
@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
         from higgs_engine.pipeline import quantize_checkpoint
 
         return quantize_checkpoint
-    if name in ("ProfileSource", "QuantizeJob", "run"):
+    if name in ("CtOptions", "ProfileSource", "QuantizeJob", "run"):
         from higgs_engine import job
 
         return getattr(job, name)
@@ -34,6 +34,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CtOptions",
     "HiggsConfig",
     "HiggsError",
     "LayerOverride",

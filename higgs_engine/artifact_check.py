@@ -19,6 +19,8 @@ A failure raises CorruptCheckpointError naming the artifact and what is wrong.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -117,10 +119,12 @@ def verify_compressed_tensors(path: Path) -> dict[str, object]:
         archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
         causal = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
         auto = AutoModelForCausalLM if causal else AutoModel
-        model = auto.from_pretrained(str(path)).eval()
         vocab = int(getattr(config, "vocab_size", 0) or 2)
         ids = (torch.arange(8) * 7919 % max(vocab - 1, 1)).unsqueeze(0)
-        with torch.no_grad():
+        # the library's own progress bars (applying, compressing, decompressing) are not the
+        # run's: the caller's progress says "packaging"
+        with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            model = auto.from_pretrained(str(path)).eval()
             out = model(input_ids=ids)
         values = out.logits if causal else out.last_hidden_state
     except CorruptCheckpointError:
