@@ -240,8 +240,14 @@ def _report(
     bytes_after = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     metrics = {k: v for k, v in summary.items() if k != "layers"}
     metrics["file_bytes"] = bytes_after
-    if entry["allocation"] is not None:
-        metrics["allocation"] = dict(entry["allocation"])
+    timings = dict(timings)
+    alloc = entry["allocation"]
+    if alloc is not None:
+        metrics["allocation"] = dict(alloc)
+        if alloc["profile_reused"] is None:  # measured in this run
+            timings["profiling"] = float(alloc["profiling_s"])
+        timings["measuring"] = float(alloc["measuring_s"])
+        timings["allocating"] = float(alloc["allocating_s"])
     config: dict[str, Any] = {
         "format": CT_DIR,
         "bits": entry["bits"],
@@ -258,7 +264,7 @@ def _report(
             e["shape"][0] * e["shape"][1] for e in summary["layers"] if e["scheme"] != "keep"
         ),
         layers=layers,
-        timings=dict(timings),
+        timings=timings,
         config=config,
         source={
             "id": model.id,
