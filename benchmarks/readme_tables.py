@@ -14,7 +14,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("quality_smollm2", "python -m benchmarks.quality --model smollm2"),
     ("rtn_crosscheck", "python -m benchmarks.rtn_crosscheck"),
     ("quality_minilm", "python -m benchmarks.quality --model minilm"),
-    ("compressed_tensors", "python -m benchmarks.compressed_tensors"),
+    ("ct_native", "python -m benchmarks.ct_native"),
     ("gguf_smollm2", "python -m benchmarks.gguf --model smollm2 --threads 1"),
     ("gguf_minilm", "python -m benchmarks.gguf --model minilm --threads 1"),
     (

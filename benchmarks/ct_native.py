@@ -8,9 +8,9 @@ Quality: SmolLM2, perplexity and KL from the 16-bit model on the first W windows
 of the news text; MiniLM, mean 1 - cos of the mean-pooled sentence embeddings against the
 16-bit model's on the first S news sentences.
 
-    python -m benchmarks.compressed_tensors [--repeats R] [--windows W] [--sentences S]
+    python -m benchmarks.ct_native [--repeats R] [--windows W] [--sentences S]
 
-Writes benchmarks/results/compressed_tensors.json and .md. The target: the
+Writes benchmarks/results/ct_native.json and .md. The target: the
 compressed-tensors run within 3x the native run's wall time.
 """
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{env_before['load_average_1_5_15']} before, {env_after['load_average_1_5_15']} after; "
         f"{env_before['date']}.",
     ]
-    write_results("compressed_tensors", payload, "\n".join(lines))
+    write_results("ct_native", payload, "\n".join(lines))
     print("\n".join(lines))
     return 0
 
