@@ -66,8 +66,9 @@ def main() -> int:
     archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     auto = AutoModelForCausalLM if causal else AutoModel
+    # run in float32 (a CPU has no fast float16 kernels for the calibration passes), saved in
     # float16, the dtype our writer stores by default: scales and kept tensors alike
-    model = auto.from_pretrained(str(args.model), dtype=torch.float16)
+    model: Any = auto.from_pretrained(str(args.model), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     ignore = ["lm_head"]
     kw: dict[str, Any] = {}
@@ -86,6 +87,8 @@ def main() -> int:
     t0 = time.perf_counter()
     oneshot(model=model, recipe=recipe, **kw)
     seconds = time.perf_counter() - t0
+    model.to(torch.float16)
+    model.config.dtype = torch.float16
     model.save_pretrained(str(args.out), save_compressed=True)
     tokenizer.save_pretrained(str(args.out))
     qc = json.loads((args.out / "config.json").read_text())["quantization_config"]

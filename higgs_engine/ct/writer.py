@@ -27,7 +27,7 @@ from higgs_engine.ct.quantizer import CtQuantized, dequantize, quantize_layer, r
 from higgs_engine.ct.schemes import KEEP, CtScheme, uniform_scheme
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.formats.base import ST_METADATA, WEIGHTS_NAME, torch_dtype, write_configs
-from higgs_engine.model_structure import LayerSpec, layer_specs, load_config
+from higgs_engine.model_structure import LayerSpec, build_meta_model, layer_specs, load_config
 from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.safetensors_stream import CheckpointReader, StreamingSafetensorsWriter
 
@@ -38,6 +38,7 @@ __all__ = [
     "library_scheme",
     "quantization_config",
     "uniform_assignment",
+    "unsaved_buffers",
     "write_compressed_tensors",
 ]
 
@@ -56,6 +57,22 @@ class CtAssignment:
 
     def scheme_of(self, name: str) -> CtScheme:
         return self.schemes.get(name, KEEP)
+
+
+def unsaved_buffers(source: Path) -> set[str]:
+    """The buffers the checkpoint's model class registers as not persistent (transformers never
+    saves them, e.g. a BERT's position_ids): a checkpoint that holds one anyway has it dropped
+    from the compressed-tensors directory, as transformers' own save_pretrained would."""
+    model = build_meta_model(load_config(source))
+    names: set[str] = set()
+    for mod_name, module in model.named_modules():
+        for buf in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{mod_name}.{buf}" if mod_name else str(buf))
+    return names
+
+
+def _is_unsaved(key: str, unsaved: set[str]) -> bool:
+    return any(key == n or key.endswith("." + n) or n.endswith("." + key) for n in unsaved)
 
 
 def ct_layers(source: Path) -> list[LayerSpec]:
@@ -187,8 +204,11 @@ def _write(
             total = len(specs)
             report(progress, "quantizing", 0, total)
             done = 0
+            unsaved = unsaved_buffers(source)
             for key in sorted(reader.keys()):
                 spec = by_key.get(key)
+                if spec is None and _is_unsaved(key, unsaved):
+                    continue
                 if spec is None:
                     t = reader.get(key)
                     weights.add(key, t.to(dtype) if t.is_floating_point() else t)
