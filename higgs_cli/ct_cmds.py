@@ -60,7 +60,6 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     for flag, name in (
         ("--ftype", "ftype"),
-        ("--eval-text", "eval_text"),
         ("--rotate", "rotate"),
         ("--split-max-size", "split_max_size"),
     ):
@@ -87,6 +86,7 @@ def ct_quantize(args: argparse.Namespace, progress: Any) -> Any:
         getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
     )
     bits = None if target is not None else int(args.bits if args.bits is not None else 4)
+    annotate = _evaluation(args, progress)
     job = QuantizeJob(
         args.source,
         target=target,
@@ -97,6 +97,7 @@ def ct_quantize(args: argparse.Namespace, progress: Any) -> Any:
         overwrite=args.overwrite,
         threads=args.threads,
         ct=CtOptions(bits=bits, dtype=args.dtype),
+        annotate=annotate,
     )
     try:
         return run(job, Path(args.out), progress)
@@ -107,6 +108,39 @@ def ct_quantize(args: argparse.Namespace, progress: Any) -> Any:
 
 
 _FLAG = {"bits": "--bits", "dtype": "--dtype", "device": "--device"}
+
+
+def _evaluation(args: argparse.Namespace, progress: Any) -> Any:
+    """With --eval-text: the report's perplexity and KL measured on the checkpoint as
+    transformers loads it, against the source, before report.json is written (None without)."""
+    if args.eval_text is None:
+        return None
+    from higgs_engine.evaluate import compare_to_base, read_text
+
+    config = Path(args.source) / "config.json"
+    if config.is_file():
+        import json
+
+        archs = json.loads(config.read_text()).get("architectures") or []
+        if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+            raise CliError(
+                f"--eval-text measures a decoder's perplexity and KL; {archs[0]} is an encoder "
+                "(evaluate its embeddings with the benchmarks' 1 - cos instead)"
+            )
+    text = read_text(Path(args.eval_text))  # a bad file is one error line, before any work
+    windows = args.eval_windows or 16
+    if windows < 1:
+        raise CliError(f"--eval-windows {windows} must be at least 1")
+
+    def annotate(rep: Any, staged: Path) -> None:
+        found = compare_to_base(
+            Path(args.source), staged / CT_FORMAT, text, windows=windows, progress=progress
+        )
+        rep.metrics.update(
+            {**found, "eval_text": Path(args.eval_text).name, "eval_engine": "transformers"}
+        )
+
+    return annotate
 
 
 def summary_lines(rep: Any, out: Path) -> list[str]:
@@ -125,6 +159,11 @@ def summary_lines(rep: Any, out: Path) -> list[str]:
         lines.append(f"{len(m['kept'])} layer(s) kept 16-bit (report.json says why)")
     if m.get("predicted_ppl_increase") is not None:
         lines.append(f"predicted perplexity +{100 * m['predicted_ppl_increase']:.2f}%")
+    if m.get("kl") is not None:
+        lines.append(
+            f"measured in transformers: perplexity {m['ppl_base']:.3f} -> "
+            f"{m['ppl_quantized']:.3f}, KL {m['kl']:.5f} over {m['eval_tokens']} tokens"
+        )
     check = m.get("load_check") or {}
     if check:
         lines.append(f"checked: {check['loader']} loads it ({check['class']})")

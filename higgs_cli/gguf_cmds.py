@@ -34,7 +34,8 @@ def add_quantize_args(q: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="measure perplexity / KL (1 - cos for an encoder) of the file in llama.cpp on this "
-        "text, against the 16-bit GGUF of the same checkpoint",
+        "text, against the 16-bit GGUF of the same checkpoint; with --format compressed-tensors "
+        "perplexity / KL of a decoder in transformers, against the source",
     )
     g.add_argument(
         "--eval-windows", type=int, default=None, metavar="W", help="windows to evaluate"

@@ -220,3 +220,39 @@ def evaluate_model(
     """Tokenize `text`, cut it into windows and call `evaluate_windows`."""
     wins = text_windows(tokenize(tokenizer, text), context, windows)
     return evaluate_windows(model, wins, base, progress)
+
+
+def compare_to_base(
+    base_dir: Path,
+    quantized_dir: Path,
+    text: str,
+    *,
+    context: int = 512,
+    windows: int = 16,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
+    """Perplexity of the base checkpoint and of a quantized artifact (native, dequantized or a
+    compressed-tensors directory, each loaded as its users load it: higgs_engine.artifacts),
+    and KL(base || quantized), on the same windows of `text` (never longer than the positions
+    the model was built for): {"ppl_base", "ppl_quantized", "kl", "eval_tokens",
+    "eval_context", "eval_windows"}."""
+    from higgs_engine.artifacts import load_model
+
+    base, tokenizer = load_model(base_dir)
+    if tokenizer is None:
+        raise InvalidConfigError(f"an evaluation needs a tokenizer; {base_dir} has none")
+    context = min(context, int(getattr(base.config, "max_position_embeddings", None) or context))
+    wins = text_windows(tokenize(tokenizer, text), context, windows)
+    base_lp = base_log_probs(base, wins, progress=progress)
+    base_res = evaluate_windows(base, wins, None, progress)
+    del base
+    quant, _ = load_model(quantized_dir)
+    q_res = evaluate_windows(quant, wins, base_lp, progress)
+    return {
+        "ppl_base": base_res.ppl,
+        "ppl_quantized": q_res.ppl,
+        "kl": q_res.kl,
+        "eval_tokens": q_res.tokens,
+        "eval_context": int(wins.shape[1]),
+        "eval_windows": int(wins.shape[0]),
+    }

@@ -27,41 +27,22 @@ class EvalSettings:
 def evaluate_artifact(
     base_dir: Path, native_dir: Path, settings: EvalSettings, progress: ProgressCallback | None
 ) -> dict[str, Any]:
-    """{"ppl_base", "ppl_quantized", "kl", "eval_tokens", ...} for report.metrics."""
-    from higgs_engine.artifacts import load_model
-    from higgs_engine.evaluate import (
-        base_log_probs,
-        evaluate_windows,
-        read_text,
-        text_windows,
-        tokenize,
-    )
+    """{"ppl_base", "ppl_quantized", "kl", "eval_tokens", ...} for report.metrics: the
+    artifact in `native_dir` (native, or a compressed-tensors directory) against the base on
+    the worker's evaluation text (higgs_engine.evaluate.compare_to_base)."""
+    from higgs_engine.evaluate import compare_to_base, read_text
 
     if settings.text_file is None:
         raise InvalidConfigError(
             f"options.evaluate=true needs an evaluation text on the worker; set {EVAL_TEXT_ENV}"
         )
     text = read_text(settings.text_file)
-    base, tokenizer = load_model(base_dir)
-    if tokenizer is None:
-        raise InvalidConfigError(f"options.evaluate=true needs a tokenizer; {base_dir} has none")
-    # Never beyond the positions the model was built for.
-    context = min(
-        settings.context,
-        int(getattr(base.config, "max_position_embeddings", None) or settings.context),
+    found = compare_to_base(
+        base_dir,
+        native_dir,
+        text,
+        context=settings.context,
+        windows=settings.windows,
+        progress=progress,
     )
-    wins = text_windows(tokenize(tokenizer, text), context, settings.windows)
-    base_lp = base_log_probs(base, wins, progress=progress)
-    base_res = evaluate_windows(base, wins, None, progress)
-    del base
-    quant, _ = load_model(native_dir)
-    q_res = evaluate_windows(quant, wins, base_lp, progress)
-    return {
-        "ppl_base": base_res.ppl,
-        "ppl_quantized": q_res.ppl,
-        "kl": q_res.kl,
-        "eval_tokens": q_res.tokens,
-        "eval_text": settings.text_file.name,
-        "eval_context": int(wins.shape[1]),
-        "eval_windows": int(wins.shape[0]),
-    }
+    return {**found, "eval_text": settings.text_file.name}

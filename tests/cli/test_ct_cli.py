@@ -41,6 +41,19 @@ def test_bits_4_writes_a_checkpoint_transformers_loads(
         assert torch.isfinite(model(torch.tensor([[3, 4, 5]])).logits).all()
 
 
+def test_eval_text_measures_the_checkpoint_transformers_loads(tiny: Path, tmp_path: Path) -> None:
+    from tests.fixtures import TINY_TEXT
+
+    text = tmp_path / "eval.txt"
+    text.write_text(TINY_TEXT * 20)
+    out = tmp_path / "out"
+    args = ["--format", "compressed-tensors", "--eval-text", str(text), "--eval-windows", "2"]
+    assert main(["quantize", str(tiny), "--out", str(out), *args, "--quiet"]) == 0
+    m = json.loads((out / "report.json").read_text())["metrics"]
+    assert m["eval_engine"] == "transformers" and m["eval_windows"] == 2
+    assert m["ppl_quantized"] > 1 and m["kl"] > 0
+
+
 def test_avg_bits_profiles_once_and_allocates(tiny: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     common = [
