@@ -75,7 +75,7 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
-def ct_quantize(args: argparse.Namespace, progress: Any) -> Any:
+def quantize(args: argparse.Namespace, progress: Any) -> Any:
     """The compressed-tensors run `higgs quantize --format compressed-tensors ...` asks for;
     returns its Report. A bad option is one error line naming its flag."""
     from higgs_engine.errors import InvalidConfigError

@@ -278,35 +278,19 @@ def _calibration(args: argparse.Namespace, text: str | None) -> Any:
     )
 
 
-def _quantize_gguf(args: argparse.Namespace) -> int:
-    from higgs_cli import gguf_cmds
-
+def _quantize_whole_file(args: argparse.Namespace, fmt: Any) -> int:
+    """A whole-file format's run (`fmt`: higgs_cli.gguf_cmds or ct_cmds, with their
+    `quantize(args, progress)` and `summary_lines(report, out)`), its bars and its summary."""
     quiet_libraries()
     bars = StageBars(args.quiet)
     try:
-        rep = gguf_cmds.gguf_quantize(args, bars)
+        rep = fmt.quantize(args, bars)
     finally:
         bars.close()
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
     else:
-        print("\n".join(gguf_cmds.summary_lines(rep, Path(args.out))))
-    return 0
-
-
-def _quantize_ct(args: argparse.Namespace) -> int:
-    from higgs_cli import ct_cmds
-
-    quiet_libraries()
-    bars = StageBars(args.quiet)
-    try:
-        rep = ct_cmds.ct_quantize(args, bars)
-    finally:
-        bars.close()
-    if args.json:
-        print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
-    else:
-        print("\n".join(ct_cmds.summary_lines(rep, Path(args.out))))
+        print("\n".join(fmt.summary_lines(rep, Path(args.out))))
     return 0
 
 
@@ -317,14 +301,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads {args.threads} must be at least 1")
     if ct_cmds.wants_ct(args):
-        return _quantize_ct(args)
+        return _quantize_whole_file(args, ct_cmds)
     if gguf_cmds.wants_gguf(args):
         if args.scope == "linear":
             raise CliError(
                 "--scope linear: a gguf file always quantizes the token embedding and the head "
                 "(drop --scope, or give --scope all)"
             )
-        return _quantize_gguf(args)
+        return _quantize_whole_file(args, gguf_cmds)
     cfg = _engine_config(args)  # validate before importing torch
     cal_text = _calibration_text(args)
     from higgs_engine.job import QuantizeJob, run

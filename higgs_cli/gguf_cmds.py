@@ -131,7 +131,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--split-max-size {args.split_max_size:g} must be a positive size in GiB")
 
 
-def gguf_quantize(args: argparse.Namespace, progress: Any) -> Any:
+def quantize(args: argparse.Namespace, progress: Any) -> Any:
     """The GGUF run `higgs quantize --format gguf ...` asks for; returns its Report. An option
     the plan refuses is a one-line error naming its flag, before anything is converted."""
     from higgs_engine.errors import InvalidConfigError

@@ -244,6 +244,22 @@ HIGGS_ONLY_OPTIONS = (
 )
 
 
+def request_architecture(
+    req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None
+) -> str | None:
+    """The requested model's architecture where it can be known at submit: a local model's as
+    the workers registered it, or read here when this process has the models folder; a Hub
+    model's from its config.json when the Hub answers in time (None otherwise: the worker
+    checks it before any work)."""
+    if ref.kind == "local":
+        if ref.path is not None:
+            return read_architecture(ref.path)
+        return None if registry is None else registry.architecture(req.model.id)
+    if ref.kind == "hub" and hub is not None:
+        return hub(req.model.id, req.model.revision)
+    return None
+
+
 def check_gguf_request(
     req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
 ) -> None:
@@ -306,17 +322,7 @@ def check_gguf_request(
             f"target.avg_bits={value:g} is below the smallest GGUF type "
             f"({min_menu_bits():g} bits per weight, Q2_K)",
         )
-    # A local model's architecture: registered by the workers, or read here when this process
-    # has the models folder. A Hub model's: its config.json when the Hub answers in time;
-    # otherwise the worker checks it before any work.
-    arch = None
-    if ref.kind == "local":
-        if ref.path is not None:
-            arch = read_architecture(ref.path)
-        elif registry is not None:
-            arch = registry.architecture(req.model.id)
-    elif ref.kind == "hub" and hub is not None:
-        arch = hub(req.model.id, req.model.revision)
+    arch = request_architecture(req, ref, registry, hub)
     if arch is not None and arch not in GGUF_ARCHITECTURES:
         raise ValidationFailedError.field(
             "options.formats",
@@ -379,14 +385,7 @@ def check_ct_request(
             f"target.avg_bits={value:g} is below the cheapest compressed-tensors scheme "
             f"(int4 in groups of 128, {CT_MIN_AVG_BITS:g} bits per weight)",
         )
-    arch = None
-    if ref.kind == "local":
-        if ref.path is not None:
-            arch = read_architecture(ref.path)
-        elif registry is not None:
-            arch = registry.architecture(req.model.id)
-    elif ref.kind == "hub" and hub is not None:
-        arch = hub(req.model.id, req.model.revision)
+    arch = request_architecture(req, ref, registry, hub)
     problem = None if arch is None else ct_architecture_problem(arch)
     if problem is not None:
         raise ValidationFailedError.field(

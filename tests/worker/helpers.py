@@ -28,6 +28,18 @@ def create_job(
         return job.id
 
 
+def job_row(sessions: sessionmaker[Session], job_id: str) -> Any:
+    """The job's row with its artifacts (and their files) and layers loaded, detached."""
+    from app.db.models import Job
+
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        _ = job.artifacts, job.layers, [a.files for a in job.artifacts]
+        s.expunge_all()
+        return job
+
+
 def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
     deadline = time.monotonic() + timeout
     while True:

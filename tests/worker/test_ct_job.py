@@ -16,7 +16,7 @@ from app.db.models import Job
 from app.settings import Settings
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import TINY_TEXT, files_under
-from tests.worker.helpers import create_job
+from tests.worker.helpers import create_job, job_row
 from worker.config import RunnerConfig
 from worker.runner import run_job
 
@@ -24,12 +24,8 @@ CT = {"formats": ["compressed-tensors"]}
 
 
 def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        _ = job.artifacts, job.layers, [a.files for a in job.artifacts]
-        s.expunge_all()
-        return job
+    row: Job = job_row(sessions, job_id)
+    return row
 
 
 def test_bits_4_publishes_a_checked_directory_with_evaluation(

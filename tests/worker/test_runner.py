@@ -17,7 +17,7 @@ from app.settings import Settings
 from higgs_engine.errors import CancelledError, InvalidConfigError, ModelNotFoundError
 from tests.fixtures import TINY_MODEL as MODEL
 from tests.fixtures import files_under, make_hub_cache
-from tests.worker.helpers import cancel_mid_run, create_job
+from tests.worker.helpers import cancel_mid_run, create_job, job_row
 from worker.attempt import job_error_code
 from worker.config import RunnerConfig
 from worker.progress import ProgressWriter
@@ -27,12 +27,8 @@ BODY = {"model": {"id": MODEL}, "target": {"bits": 4}}
 
 
 def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        _ = job.artifacts, job.layers, [a.files for a in job.artifacts]
-        s.expunge_all()
-        return job
+    row: Job = job_row(sessions, job_id)
+    return row
 
 
 def test_job_runs_to_success_with_checksummed_artifacts(
