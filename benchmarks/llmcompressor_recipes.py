@@ -2,7 +2,7 @@
 llm-compressor's own virtual environment (it pins an older transformers): this file imports
 only llm-compressor, transformers, torch and datasets, never the project.
 
-    python benchmarks/llmcompressor_recipes.py --model DIR --recipe NAME --group G --out DIR
+    <its venv>/bin/python -P benchmarks/llmcompressor_recipes.py --model DIR --recipe NAME --group G --out DIR
         [--calibration FILE --samples N --seq-len T]
 
 Recipes (int4 symmetric weights in groups of G, activations 16-bit, the output head kept):
