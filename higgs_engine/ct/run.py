@@ -97,19 +97,16 @@ def plan_ct(
     device: str | None = None,
 ) -> tuple[dict[str, Any], Profile | None]:
     """The plan's compressed-tensors entry for `model` (one scheme per linear layer) and the
-    profile it was allocated with (None for uniform bits)."""
-    if (bits is None) == (target is None):
-        raise InvalidConfigError(
-            "a compressed-tensors job takes bits (4 or 8) or a target, exactly one", field="bits"
-        )
+    profile it was allocated with (None for uniform bits); the JobPlan made from it checks the
+    schemes."""
     entry: dict[str, Any] = {
         "bits": bits,
         "dtype": dtype,
         "target": None if target is None else target.to_dict(),
         "allocation": None,
     }
+    check_ct_plan({**entry, "schemes": {}, "reasons": {}})  # bits or target, dtype: before work
     if bits is not None:
-        check_ct_plan({**entry, "schemes": {}, "reasons": {}})  # bits and dtype, before work
         from higgs_engine.ct.writer import uniform_assignment
 
         assignment = uniform_assignment(model.path, bits)
@@ -122,7 +119,6 @@ def plan_ct(
     entry["reasons"] = dict(sorted(assignment.reasons.items()))
     for name in entry["reasons"]:
         entry["schemes"].setdefault(name, "keep")
-    check_ct_plan(entry)
     plain: dict[str, Any] = json.loads(json.dumps(entry))
     return plain, profile
 
@@ -140,8 +136,6 @@ def _allocate(
     from higgs_engine.dynamic import obtain_profile
     from higgs_engine.planning.plans import metric_bound_for_ppl, ppl_increase_from
 
-    if dtype not in CT_DTYPES:
-        raise InvalidConfigError(f"dtype={dtype!r} must be one of {list(CT_DTYPES)}", field="dtype")
     t0 = time.perf_counter()
     found = obtain_profile(model, how, model.layer_names(), progress, device)
     profile = found.profile
