@@ -116,13 +116,14 @@ def _evaluation(args: argparse.Namespace, progress: Any) -> Any:
     if args.eval_text is None:
         return None
     from higgs_engine.evaluate import compare_to_base, read_text
+    from higgs_engine.model_structure import CAUSAL_ARCH_SUFFIXES
 
     config = Path(args.source) / "config.json"
     if config.is_file():
         import json
 
         archs = json.loads(config.read_text()).get("architectures") or []
-        if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        if archs and not any(str(a).endswith(CAUSAL_ARCH_SUFFIXES) for a in archs):
             raise CliError(
                 f"--eval-text measures a decoder's perplexity and KL; {archs[0]} is an encoder "
                 "(evaluate its embeddings with the benchmarks' 1 - cos instead)"
@@ -167,7 +168,7 @@ def summary_lines(rep: Any, out: Path) -> list[str]:
     check = m.get("load_check") or {}
     if check:
         lines.append(f"checked: {check['loader']} loads it ({check['class']})")
-    if str(check.get("class", "")).endswith(("ForCausalLM", "LMHeadModel")):
+    if check.get("kind") == "causal":
         lines.append(f"serve it: vllm serve {d}")
     else:  # an encoder: its embeddings, through transformers (or vLLM's pooling runner)
         lines.append(f"load it: transformers.AutoModel.from_pretrained({str(d)!r})")

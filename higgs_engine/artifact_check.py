@@ -104,6 +104,8 @@ def verify_compressed_tensors(path: Path) -> dict[str, object]:
     import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from higgs_engine.model_structure import model_kind
+
     t0 = time.perf_counter()
     try:
         config = AutoConfig.from_pretrained(str(path))
@@ -116,8 +118,8 @@ def verify_compressed_tensors(path: Path) -> dict[str, object]:
                 f"{path.name}: config.json's quantization_config is not compressed-tensors "
                 f"(quant_method {method!r})"
             )
-        archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
-        causal = not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+        kind = model_kind(config)
+        causal = kind == "causal"
         auto = AutoModelForCausalLM if causal else AutoModel
         vocab = int(getattr(config, "vocab_size", 0) or 2)
         ids = (torch.arange(8) * 7919 % max(vocab - 1, 1)).unsqueeze(0)
@@ -144,6 +146,7 @@ def verify_compressed_tensors(path: Path) -> dict[str, object]:
 
     return {
         "loader": f"transformers {auto.__name__}",
+        "kind": kind,
         "class": type(model).__name__,
         "transformers": transformers.__version__,
         "compressed_tensors": compressed_tensors.__version__,

@@ -92,7 +92,8 @@ def model_class(config: PretrainedConfig) -> type[nn.Module]:
     )
 
 
-_CAUSAL_ARCH_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# What a causal LM class is called (an encoder's is not): how config.json's architectures say it.
+CAUSAL_ARCH_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def model_kind(config: PretrainedConfig) -> str:
@@ -101,7 +102,7 @@ def model_kind(config: PretrainedConfig) -> str:
     "encoder" (a model whose output is its final hidden state, e.g. BertModel)."""
     archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
     if archs:
-        return "causal" if any(a.endswith(_CAUSAL_ARCH_SUFFIXES) for a in archs) else "encoder"
+        return "causal" if any(a.endswith(CAUSAL_ARCH_SUFFIXES) for a in archs) else "encoder"
     from transformers import AutoModelForCausalLM
 
     return "causal" if type(config) in AutoModelForCausalLM._model_mapping else "encoder"
