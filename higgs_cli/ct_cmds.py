@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_cli.common import CliError, dynamic_target, profile_source
-
-CT_FORMAT = "compressed-tensors"
+from higgs_engine.planning.ct_targets import CT_BITS, CT_DTYPES, CT_FORMAT
 
 
 def wants_ct(args: argparse.Namespace) -> bool:
@@ -49,9 +48,9 @@ def _check_args(args: argparse.Namespace) -> None:
             f"{' / '.join(higgs_only)}: HIGGS options that --format compressed-tensors does "
             "not take (its layers are in vLLM's schemes); omit them"
         )
-    if args.dtype not in ("float16", "bfloat16"):
+    if args.dtype not in CT_DTYPES:
         raise CliError(
-            f"--dtype {args.dtype}: a compressed-tensors checkpoint is float16 or bfloat16"
+            f"--dtype {args.dtype}: a compressed-tensors checkpoint is {' or '.join(CT_DTYPES)}"
         )
     if args.scope == "all":
         raise CliError(
@@ -68,7 +67,7 @@ def _check_args(args: argparse.Namespace) -> None:
     avg, ppl = getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
     if sum(x is not None for x in (args.bits, avg, ppl)) > 1:
         raise CliError("give one of --bits, --avg-bits and --max-ppl-increase")
-    if args.bits is not None and args.bits not in (4, 8):
+    if args.bits is not None and args.bits not in CT_BITS:
         raise CliError(
             f"--bits {args.bits:g}: compressed-tensors takes 4 (int4 W4A16) or 8 (int8 per "
             "channel); give --avg-bits for a mix of vLLM's schemes"
