@@ -31,6 +31,16 @@ def tiny_profile(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Profil
     return Profile.from_dict(json.loads(path.read_text()))
 
 
+def allocated(source: Path, profile: Profile, avg_bits: float) -> QuantizeJob:
+    """A compressed-tensors job whose schemes the allocator picks for `avg_bits`."""
+    return QuantizeJob(
+        source,
+        target=Target(avg_bits=avg_bits),
+        profile=ProfileSource(profile=profile),
+        ct=CtOptions(),
+    )
+
+
 def test_bits_4_is_a_plan_of_schemes_and_a_checkpoint_transformers_loads(
     tiny: Path, tmp_path: Path
 ) -> None:
@@ -73,13 +83,7 @@ def test_bits_8_and_an_encoder(tmp_path: Path) -> None:
 def test_avg_bits_allocates_over_the_menu_within_the_budget(
     tiny: Path, tiny_profile: Profile, tmp_path: Path
 ) -> None:
-    job = QuantizeJob(
-        tiny,
-        target=Target(avg_bits=6.0),
-        profile=ProfileSource(profile=tiny_profile),
-        ct=CtOptions(),
-    )
-    rep = run(job, tmp_path / "out")
+    rep = run(allocated(tiny, tiny_profile, 6.0), tmp_path / "out")
     alloc = rep.metrics["allocation"]
     assert alloc["avg_bits"] <= 6.0
     assert rep.bits_per_weight == pytest.approx(alloc["avg_bits"], rel=1e-9)
@@ -88,29 +92,15 @@ def test_avg_bits_allocates_over_the_menu_within_the_budget(
     assert rep.metrics["predicted_kl"] == pytest.approx(alloc["predicted_kl"], rel=0.05)
     assert all(r.alpha is not None for r in rep.layers)
     # more budget never predicts worse
-    more = run(
-        QuantizeJob(
-            tiny,
-            target=Target(avg_bits=8.5),
-            profile=ProfileSource(profile=tiny_profile),
-            ct=CtOptions(),
-        ),
-        tmp_path / "more",
-    )
+    more = run(allocated(tiny, tiny_profile, 8.5), tmp_path / "more")
     assert more.metrics["allocation"]["predicted_kl"] <= alloc["predicted_kl"]
 
 
 def test_an_impossible_budget_names_the_smallest_and_leaves_nothing(
     tiny: Path, tiny_profile: Profile, tmp_path: Path
 ) -> None:
-    job = QuantizeJob(
-        tiny,
-        target=Target(avg_bits=2.0),
-        profile=ProfileSource(profile=tiny_profile),
-        ct=CtOptions(),
-    )
     with pytest.raises(InfeasibleTargetError, match=r"\d\.\d"):
-        run(job, tmp_path / "out")
+        run(allocated(tiny, tiny_profile, 2.0), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
