@@ -25,10 +25,10 @@ class EvalSettings:
 
 
 def evaluate_artifact(
-    base_dir: Path, native_dir: Path, settings: EvalSettings, progress: ProgressCallback | None
+    base_dir: Path, artifact_dir: Path, settings: EvalSettings, progress: ProgressCallback | None
 ) -> dict[str, Any]:
     """{"ppl_base", "ppl_quantized", "kl", "eval_tokens", ...} for report.metrics: the
-    artifact in `native_dir` (native, or a compressed-tensors directory) against the base on
+    artifact in `artifact_dir` (native, or a compressed-tensors directory) against the base on
     the worker's evaluation text (higgs_engine.evaluate.compare_to_base)."""
     from higgs_engine.evaluate import compare_to_base, read_text
 
@@ -39,7 +39,7 @@ def evaluate_artifact(
     text = read_text(settings.text_file)
     found = compare_to_base(
         base_dir,
-        native_dir,
+        artifact_dir,
         text,
         context=settings.context,
         windows=settings.windows,

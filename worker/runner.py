@@ -233,6 +233,7 @@ def _engine_job(
 ) -> QuantizeJob:
     """The engine's QuantizeJob of the claimed job (calibration aside) on `model`."""
     from higgs_engine.job import CtOptions, ProfileSource, QuantizeJob
+    from higgs_engine.planning.config import HiggsConfig
     from higgs_engine.planning.plans import Target
 
     cfg, claimed = attempt.cfg, attempt.claimed
@@ -243,25 +244,19 @@ def _engine_job(
         menu_p = None if job_cfg.ct else job_menu_p(job_cfg, claimed.request)
         ps = cfg.profile_settings()
         profile = job_profile_source(attempt.sessions, model, requested, menu_p, ps)
+    config, ct = job_cfg.higgs_config(), None
     if job_cfg.ct:  # vLLM's schemes per layer; of the HIGGS config only the dtype
-        bits = None if dynamic else int(job_cfg.target_value)
-        return QuantizeJob(
-            model,
-            target=Target(**dict(job_cfg.target)) if dynamic else None,
-            profile=profile,
-            device=cfg.device,
-            annotate=annotate,
-            on_plan=on_plan,
-            ct=CtOptions(bits=bits, dtype=job_cfg.higgs_config().dtype),
-        )
+        ct = CtOptions(bits=None if dynamic else int(job_cfg.target_value), dtype=config.dtype)
+        config = HiggsConfig()
     return QuantizeJob(
         model,
-        job_cfg.higgs_config(),
+        config,
         target=Target(**dict(job_cfg.target)) if dynamic else None,
         profile=profile,
         device=cfg.device,
         annotate=annotate,
         on_plan=on_plan,
+        ct=ct,
     )
 
 
