@@ -34,15 +34,12 @@ if TYPE_CHECKING:
     from higgs_engine.sources import ResolvedModel
 
 __all__ = [
-    "CT_DIR",
-    "CT_DTYPES",
     "CT_PLAN_KEYS",
     "check_ct_plan",
     "plan_ct",
     "write_ct",
 ]
 
-CT_DIR = CT_FORMAT  # the artifact's directory under the job's output
 CT_PLAN_KEYS = frozenset({"bits", "dtype", "target", "schemes", "reasons", "allocation"})
 
 
@@ -179,9 +176,10 @@ def write_ct(
     progress: ProgressCallback | None,
     timings: dict[str, float],
 ) -> Report:
-    """The plan's checkpoint written into `tmp`/compressed-tensors (`tmp` created here),
-    loaded by transformers through compressed-tensors (a failure raises
-    CorruptCheckpointError), and its Report (report.json is the caller's to write, once, after its annotations)."""
+    """The plan's checkpoint written into `tmp`/compressed-tensors (`tmp` created here; the
+    artifact's directory is named after its format, as the others are), loaded by
+    transformers through compressed-tensors (a failure raises CorruptCheckpointError), and its
+    Report (report.json is the caller's to write, once, after its annotations)."""
     from higgs_engine.artifact_check import verify_compressed_tensors
     from higgs_engine.ct.writer import CtAssignment, write_compressed_tensors
 
@@ -191,16 +189,16 @@ def write_ct(
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     summary = write_compressed_tensors(
-        model.path, assignment, tmp / CT_DIR, dtype=str(entry["dtype"]), progress=progress
+        model.path, assignment, tmp / CT_FORMAT, dtype=str(entry["dtype"]), progress=progress
     )
     timings["quantizing"] = time.perf_counter() - t0
     # checked before success by the loader its users run (higgs_engine.artifact_check)
     t1 = time.perf_counter()
     report(progress, "packaging", 0, 1)
-    summary["load_check"] = verify_compressed_tensors(tmp / CT_DIR)
+    summary["load_check"] = verify_compressed_tensors(tmp / CT_FORMAT)
     timings["packaging"] = time.perf_counter() - t1
     report(progress, "packaging", 1, 1)
-    return _report(entry, model, tmp / CT_DIR, summary, timings)
+    return _report(entry, model, tmp / CT_FORMAT, summary, timings)
 
 
 def _report(
@@ -243,7 +241,7 @@ def _report(
         timings["measuring"] = float(alloc["measuring_s"])
         timings["allocating"] = float(alloc["allocating_s"])
     config: dict[str, Any] = {
-        "format": CT_DIR,
+        "format": CT_FORMAT,
         "bits": entry["bits"],
         "dtype": entry["dtype"],
         "target": entry["target"],
@@ -269,6 +267,6 @@ def _report(
         },
         versions={**versions(), "compressed_tensors": compressed_tensors.__version__},
         seed=0,
-        formats=[CT_DIR],
+        formats=[CT_FORMAT],
         metrics=json.loads(json.dumps(metrics)),
     )
