@@ -2,25 +2,33 @@
 architecture metadata, tokenizer and chat template, exactly as llama.cpp expects them.
 
 The converter (convert_hf_to_gguf.py with its conversion/ package and the gguf-py library of the
-same llama.cpp commit) is not on PyPI as a module: scripts/setup copies it from the
+same llama.cpp commit) is not in llama-cpp-python's wheel: scripts/setup copies it from the
 llama-cpp-python source distribution into `<venv>/share/higgs-service/llama.cpp/`, and the
-worker image does the same. It runs as a subprocess of the current interpreter.
+worker image does the same. Where neither did (`pip install ".[gguf]"`), the first GGUF job
+downloads the installed version's source distribution with pip and lays the converter out in
+the user's cache (higgs_engine.gguf.converter_install), once per version. It runs as a
+subprocess of the current interpreter.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import logging
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from higgs_engine.errors import HiggsError, OutOfMemoryError, UnsupportedModelError
+from higgs_engine.gguf import converter_install
 from higgs_engine.gguf.llama import LlamaError, LlamaUnavailableError
 
-CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
+log = logging.getLogger(__name__)
+
+CONVERTER_SCRIPT = converter_install.CONVERTER_SCRIPT
 
 
 def default_converter_dir() -> Path:
@@ -28,15 +36,56 @@ def default_converter_dir() -> Path:
     return Path(sys.prefix) / "share" / "higgs-service" / "llama.cpp"
 
 
-def converter_dir(path: Path | None = None) -> Path:
-    """The converter's directory (holding convert_hf_to_gguf.py, conversion/, gguf-py/)."""
-    d = Path(path) if path is not None else default_converter_dir()
-    if not (d / CONVERTER_SCRIPT).is_file():
+def cached_converter_dir(version: str) -> Path:
+    """Where the engine lays out the converter of llama-cpp-python `version` itself:
+    `${XDG_CACHE_HOME:-~/.cache}/higgs-service/llama-cpp-converter/<version>`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "higgs-service" / "llama-cpp-converter" / version
+
+
+def llama_cpp_python_version() -> str:
+    """The installed llama-cpp-python's version, or LlamaUnavailableError."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(converter_install.DISTRIBUTION)
+    except metadata.PackageNotFoundError as e:
         raise LlamaUnavailableError(
-            f"llama.cpp's converter is not installed at {d} (scripts/setup copies "
-            f"{CONVERTER_SCRIPT} there from the llama-cpp-python source)"
-        )
-    return d
+            'the GGUF format needs llama.cpp: pip install ".[gguf]" (llama-cpp-python)'
+        ) from e
+
+
+_FETCH_LOCK = threading.Lock()
+
+
+def converter_dir(path: Path | None = None) -> Path:
+    """The converter's directory (holding convert_hf_to_gguf.py, conversion/, gguf-py/).
+
+    `path` when given; else the one scripts/setup or the worker image installed; else the
+    user's cache for the installed llama-cpp-python version, filled on first use (a download
+    of that version's source distribution with pip)."""
+    if path is not None:
+        d = Path(path)
+        if not (d / CONVERTER_SCRIPT).is_file():
+            raise LlamaUnavailableError(f"llama.cpp's converter is not installed at {d}")
+        return d
+    d = default_converter_dir()
+    if (d / CONVERTER_SCRIPT).is_file():
+        return d
+    version = llama_cpp_python_version()
+    cached = cached_converter_dir(version)
+    with _FETCH_LOCK:
+        if converter_install.installed_version(cached) != version:
+            log.info(
+                "laying out llama.cpp's converter (llama-cpp-python %s) in %s", version, cached
+            )
+            try:
+                converter_install.fetch_converter(version, cached)
+            except converter_install.ConverterInstallError as e:
+                raise LlamaUnavailableError(
+                    f"llama.cpp's converter is not installed ({d} has none) and {e}"
+                ) from e
+    return cached
 
 
 @functools.lru_cache(maxsize=8)
