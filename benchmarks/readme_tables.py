@@ -15,6 +15,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("rtn_crosscheck", "python -m benchmarks.rtn_crosscheck"),
     ("quality_minilm", "python -m benchmarks.quality --model minilm"),
     ("ct_native", "python -m benchmarks.ct_native"),
+    ("decode_speed", "python -m benchmarks.decode_speed"),
     ("llmcompressor", "python -m benchmarks.llmcompressor"),
     ("gguf_smollm2", "python -m benchmarks.gguf --model smollm2 --threads 1"),
     ("gguf_minilm", "python -m benchmarks.gguf --model minilm --threads 1"),
