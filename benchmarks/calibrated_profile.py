@@ -67,7 +67,7 @@ def main() -> None:
         (gptq, "gptq_higgs_many", "GPTQ (all groups)"),
         (gptq, "_sweep_grid", "sweep"),
         (nearest.PairSearch, "__call__", "nearest-grid search"),
-        (gptq, "_inverse_cholesky_upper", "Cholesky / inverse factor"),
+        (gptq, "inverse_cholesky_upper", "Cholesky / inverse factor"),
         (gptq, "rotate_hessian", "Hessian rotation"),
         (gptq, "_higgs_setup", "set-up (rotate W, scales)"),
         (gptq, "_finish", "finish (unrotate, pack)"),

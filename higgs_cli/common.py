@@ -154,3 +154,40 @@ def dynamic_target(avg_bits: float | None, max_ppl: float | None) -> Any:
     if avg_bits is None and max_ppl is None:
         return None
     return Target(avg_bits=avg_bits, max_ppl_increase=max_ppl)
+
+
+def calibration_text(args: argparse.Namespace) -> str | None:
+    """The --calibration file's text (None for `self` or no calibration), checked before any
+    model is loaded: missing, empty, binary or too large files are one-line errors."""
+    if args.calibration_tokens is not None and args.calibration is None:
+        raise CliError("--calibration-tokens needs --calibration FILE or --calibration self")
+    if args.calibration_tokens is not None and args.calibration_tokens < 2:
+        raise CliError(f"--calibration-tokens {args.calibration_tokens} must be at least 2")
+    if args.calibration is None or args.calibration == "self":
+        return None
+    from higgs_engine.calibration import read_calibration_file
+
+    return read_calibration_file(Path(args.calibration))
+
+
+def _calibration_text_cache(args: argparse.Namespace) -> Path:
+    """Self-generated text is cached beside the profiles (--profile-cache, or the default)."""
+    given = getattr(args, "profile_cache", None)
+    return Path(given) if given else default_profile_cache()
+
+
+def calibration_request(args: argparse.Namespace, text: str | None) -> Any:
+    """The job's CalibrationRequest (made into token windows once the model is resolved), or
+    None without --calibration."""
+    if args.calibration is None:
+        return None
+    from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS
+    from higgs_engine.job import CalibrationRequest
+
+    return CalibrationRequest(
+        text,
+        args.calibration_tokens or DEFAULT_CALIBRATION_TOKENS,
+        label=f"file:{Path(args.calibration).name}" if text is not None else "self",
+        cache_dir=_calibration_text_cache(args) if text is None else None,
+        field=f"--calibration {args.calibration}",
+    )

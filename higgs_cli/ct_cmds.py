@@ -1,6 +1,7 @@
 """`higgs quantize --format compressed-tensors`: a checkpoint vLLM, SGLang and transformers load,
 each linear layer in one of vLLM's schemes (int4 W4A16 groups, int8, FP8, or 16-bit), uniform
-for --bits 4 / 8 or chosen by the allocator for --avg-bits / --max-ppl-increase.
+for --bits 4 / 8 or chosen by the allocator for --avg-bits / --max-ppl-increase; with
+--calibration, GPTQ in each layer's scheme.
 
 Only argparse-level work happens at import; torch and the library load inside the functions.
 """
@@ -11,7 +12,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.common import CliError, dynamic_target, profile_source
+from higgs_cli.common import (
+    CliError,
+    calibration_request,
+    calibration_text,
+    dynamic_target,
+    profile_source,
+)
 from higgs_engine.planning.ct_targets import CT_BITS, CT_DTYPES, CT_FORMAT
 
 
@@ -32,8 +39,6 @@ def wants_ct(args: argparse.Namespace) -> bool:
 def _check_args(args: argparse.Namespace) -> None:
     from higgs_cli.gguf_cmds import higgs_only_flags
 
-    if args.calibration is not None:
-        raise CliError("--calibration is not available with --format compressed-tensors yet")
     if getattr(args, "method", "higgs") != "higgs":
         raise CliError(
             "--method chooses how HIGGS quantizes; --format compressed-tensors takes vLLM's schemes"
@@ -81,6 +86,7 @@ def quantize(args: argparse.Namespace, progress: Any) -> Any:
     from higgs_engine.job import CtOptions, ProfileSource, QuantizeJob, run
 
     _check_args(args)
+    calibration = calibration_request(args, calibration_text(args))  # a bad file: before any work
     target = dynamic_target(
         getattr(args, "avg_bits", None), getattr(args, "max_ppl_increase", None)
     )
@@ -96,6 +102,7 @@ def quantize(args: argparse.Namespace, progress: Any) -> Any:
         overwrite=args.overwrite,
         threads=args.threads,
         ct=CtOptions(bits=bits, dtype=args.dtype),
+        calibration=calibration,
         annotate=annotate,
     )
     try:
@@ -157,6 +164,12 @@ def summary_lines(rep: Any, out: Path) -> list[str]:
     ]
     if m.get("kept"):
         lines.append(f"{len(m['kept'])} layer(s) kept 16-bit (report.json says why)")
+    cal = m.get("calibration")
+    if cal:
+        lines.append(
+            f"calibrated: GPTQ in each scheme on {cal['tokens']} tokens of {cal['source']}, "
+            f"{cal['layers_calibrated']} layers"
+        )
     if m.get("predicted_ppl_increase") is not None:
         lines.append(f"predicted perplexity +{100 * m['predicted_ppl_increase']:.2f}%")
     if m.get("kl") is not None:

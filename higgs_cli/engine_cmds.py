@@ -11,7 +11,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from higgs_cli.common import CliError, StageBars, default_profile_cache, quiet_libraries
+from higgs_cli.common import (
+    CliError,
+    StageBars,
+    calibration_request,
+    calibration_text,
+    quiet_libraries,
+)
 from higgs_engine.planning.config import (
     DEFAULT_FORMATS,
     DEFAULT_METHOD,
@@ -241,43 +247,6 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return HiggsConfig.from_bits(4.0 if args.bits is None else args.bits, p=args.p, **kw)
 
 
-def _calibration_text(args: argparse.Namespace) -> str | None:
-    """The --calibration file's text (None for `self` or no calibration), checked before any
-    model is loaded: missing, empty, binary or too large files are one-line errors."""
-    if args.calibration_tokens is not None and args.calibration is None:
-        raise CliError("--calibration-tokens needs --calibration FILE or --calibration self")
-    if args.calibration_tokens is not None and args.calibration_tokens < 2:
-        raise CliError(f"--calibration-tokens {args.calibration_tokens} must be at least 2")
-    if args.calibration is None or args.calibration == "self":
-        return None
-    from higgs_engine.calibration import read_calibration_file
-
-    return read_calibration_file(Path(args.calibration))
-
-
-def _text_cache(args: argparse.Namespace) -> Path:
-    """Self-generated text is cached beside the profiles (--profile-cache, or the default)."""
-    given = getattr(args, "profile_cache", None)
-    return Path(given) if given else default_profile_cache()
-
-
-def _calibration(args: argparse.Namespace, text: str | None) -> Any:
-    """The job's CalibrationRequest (made into token windows once the model is resolved), or
-    None without --calibration."""
-    if args.calibration is None:
-        return None
-    from higgs_engine.calibration import DEFAULT_CALIBRATION_TOKENS
-    from higgs_engine.job import CalibrationRequest
-
-    return CalibrationRequest(
-        text,
-        args.calibration_tokens or DEFAULT_CALIBRATION_TOKENS,
-        label=f"file:{Path(args.calibration).name}" if text is not None else "self",
-        cache_dir=_text_cache(args) if text is None else None,
-        field=f"--calibration {args.calibration}",
-    )
-
-
 def _quantize_whole_file(args: argparse.Namespace, fmt: Any) -> int:
     """A whole-file format's run (`fmt`: higgs_cli.gguf_cmds or ct_cmds, with their
     `quantize(args, progress)` and `summary_lines(report, out)`), its bars and its summary."""
@@ -310,14 +279,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             )
         return _quantize_whole_file(args, gguf_cmds)
     cfg = _engine_config(args)  # validate before importing torch
-    cal_text = _calibration_text(args)
+    cal_text = calibration_text(args)
     from higgs_engine.job import QuantizeJob, run
 
     quiet_libraries()
     bars = StageBars(args.quiet)
     dyn = _dynamic_hooks()
     try:
-        calibration = _calibration(args, cal_text)
+        calibration = calibration_request(args, cal_text)
         # A dynamic target (per-layer allocation) or --profile: the dynamic hooks build the
         # job; None when the command asks for plain uniform HIGGS.
         job = (

@@ -54,12 +54,16 @@ __all__ = [
     "DEFAULT_BLOCK",
     "DEFAULT_DAMP",
     "HessianAccumulator",
+    "check_hessian",
     "gptq_higgs",
     "gptq_higgs_many",
     "gptq_higgs_reference",
     "gptq_rtn",
+    "inverse_cholesky_upper",
     "output_error",
+    "prepare_hessian",
     "rotate_hessian",
+    "sweep_with_writeback",
 ]
 
 DEFAULT_DAMP = 0.01
@@ -110,7 +114,7 @@ def rotate_hessian(
     return rotate(h.T.contiguous(), layout, signs)  # R Hes R^T (Hes symmetric)
 
 
-def _check_hessian(hes: torch.Tensor, in_features: int) -> None:
+def check_hessian(hes: torch.Tensor, in_features: int) -> None:
     if not isinstance(hes, torch.Tensor) or tuple(hes.shape) != (in_features, in_features):
         shape = tuple(hes.shape) if isinstance(hes, torch.Tensor) else type(hes).__name__
         raise InvalidConfigError(f"Hessian of shape {shape} is not ({in_features}, {in_features})")
@@ -118,7 +122,7 @@ def _check_hessian(hes: torch.Tensor, in_features: int) -> None:
         raise InvalidConfigError("the Hessian has non-finite entries (nan or inf inputs)")
 
 
-def _prepare_hessian(hes: torch.Tensor, damp: float) -> torch.Tensor:
+def prepare_hessian(hes: torch.Tensor, damp: float) -> torch.Tensor:
     """Damped copy (float64): dead inputs (zero diagonal) get 1 on the diagonal, then
     damp * mean(diag) is added to every diagonal entry."""
     if not (math.isfinite(damp) and damp >= 0):
@@ -131,7 +135,7 @@ def _prepare_hessian(hes: torch.Tensor, damp: float) -> torch.Tensor:
     return h
 
 
-def _inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def inverse_cholesky_upper(h: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """U upper triangular with U^T U = inverse(h), computed in `dtype` (float32 as GPTQ does:
     the damping keeps it well conditioned; float64 for the tests).
 
@@ -341,9 +345,9 @@ def gptq_higgs_many(
     layout, lens, signs, g, y, scales16 = _higgs_setup(W, spec, grid)
     _check_block(block, spec.p)
     out_f, in_f = W.shape
-    _check_hessian(hessian, in_f)
-    h = _prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
-    U = _inverse_cholesky_upper(h, dtype)
+    check_hessian(hessian, in_f)
+    h = prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
+    U = inverse_cholesky_upper(h, dtype)
     s_col = _column_scales(scales16, lens, dtype)  # (out, in)
     inv_col = torch.where(s_col > 0, 1.0 / s_col, torch.zeros_like(s_col))
     gd = g.to(dtype)
@@ -373,8 +377,8 @@ def gptq_higgs_reference(
     p = spec.p
     layout, lens, signs, g, y, scales16 = _higgs_setup(W, spec, grid)
     out_f, in_f = W.shape
-    _check_hessian(hessian, in_f)
-    h = _prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
+    check_hessian(hessian, in_f)
+    h = prepare_hessian(rotate_hessian(hessian, layout, signs), damp)
     hinv = torch.linalg.inv(h)  # (in, in) float64, for the remaining columns j..
     s_col = _column_scales(scales16, lens, torch.float64)
     g64 = g.to(torch.float64)
@@ -417,10 +421,10 @@ def gptq_rtn(
     if not isinstance(group_size, int) or group_size < 1:
         raise InvalidConfigError(f"group_size={group_size!r} must be a positive integer")
     out_f, in_f = W.shape
-    _check_hessian(hessian, in_f)
+    check_hessian(hessian, in_f)
     _check_block(block, 1)
     maxq = (1 << bits) - 1
-    U = _inverse_cholesky_upper(_prepare_hessian(hessian, damp), torch.float32)
+    U = inverse_cholesky_upper(prepare_hessian(hessian, damp), torch.float32)
     state: dict[str, torch.Tensor] = {}
 
     def quantize_cols(j: int, w: torch.Tensor) -> torch.Tensor:
@@ -441,12 +445,12 @@ def gptq_rtn(
     # Wfull before the next block, and groups never start mid-block when block % g == 0.
     if block % group_size and group_size % block:
         raise InvalidConfigError(f"block={block} and group_size={group_size} must nest")
-    Q = _sweep_with_writeback(Wfull, U, block, quantize_cols)
+    Q = sweep_with_writeback(Wfull, U, block, quantize_cols)
     ngroups = (in_f + group_size - 1) // group_size
     return Q, (bits * W.numel() + 32 * out_f * ngroups) / W.numel()
 
 
-def _sweep_with_writeback(
+def sweep_with_writeback(
     W: torch.Tensor, U: torch.Tensor, block: int, quantize_cols: ColumnQuantizer
 ) -> torch.Tensor:
     """The GPTQ sweep for p = 1 with a column quantizer that may read W's later columns of the

@@ -127,8 +127,8 @@ class QuantizeJob:
     (`config` and `calibration` then refused). `annotate`: the caller's additions to the
     report, run before report.json is written; `on_plan`: told the JobPlan once it is made,
     before the quantization. `ct`: a compressed-tensors checkpoint for vLLM / transformers
-    instead (`config` and `calibration` refused too). A job that cannot be planned fails
-    here, naming the field."""
+    instead (`config` refused; with `calibration`, GPTQ in each layer's scheme). A job that
+    cannot be planned fails here, naming the field."""
 
     source: str | Path | ResolvedModel
     config: HiggsConfig = field(default_factory=HiggsConfig)
@@ -166,10 +166,6 @@ class QuantizeJob:
             if self.config != HiggsConfig():
                 raise InvalidConfigError(
                     "config: a compressed-tensors job takes vLLM's schemes, not a HIGGS config"
-                )
-            if self.calibration is not None:
-                raise InvalidConfigError(
-                    "calibration: a compressed-tensors job is data-free", field="calibration"
                 )
             if (self.ct.bits is None) == (self.target is None):
                 raise InvalidConfigError(
@@ -363,12 +359,12 @@ def plan(
     from higgs_engine.parts import planned_layers, source_parts
 
     model = model if model is not None else resolve(job, progress)
+    cal = job.calibration if calibration is None else calibration
     if job.ct is not None:
-        return _plan_ct(job, job.ct, model, progress)
+        return _plan_ct(job, job.ct, model, progress, cal)
     config, profile, dynamic = job.config, job.profile.profile, None
     if job.target is not None and job.gguf is None:
         config, profile, dynamic = _plan_dynamic(job, job.target, model, progress)
-    cal = job.calibration if calibration is None else calibration
     parts: list[Part] = []
     if model.sharded and cal is None and job.gguf is None:
         parts = source_parts(model)
@@ -389,9 +385,14 @@ def plan(
 
 
 def _plan_ct(
-    job: QuantizeJob, ct: CtOptions, model: ResolvedModel, progress: ProgressCallback | None
+    job: QuantizeJob,
+    ct: CtOptions,
+    model: ResolvedModel,
+    progress: ProgressCallback | None,
+    cal: Calibration | CalibrationRequest | None,
 ) -> JobPlan:
-    """A compressed-tensors job's plan: every linear layer's scheme (higgs_engine.ct.run)."""
+    """A compressed-tensors job's plan: every linear layer's scheme (higgs_engine.ct.run), and
+    the calibration its layers are quantized with (GPTQ in their schemes), if any."""
     from higgs_engine.ct.run import plan_ct
 
     entry, profile = plan_ct(
@@ -403,6 +404,7 @@ def _plan_ct(
         config=job.config,
         device=job.device or "cpu",
         threads=job.threads,
+        calibration=None if cal is None else _plain(_describe_calibration(cal)),
         profile=None if profile is None else _plain(profile.to_dict()),
         ct=entry,
     )
@@ -544,7 +546,9 @@ def _write_ct(
     the one write of report.json."""
     from higgs_engine.ct.run import write_ct
 
-    rep = write_ct(entry, inputs.model, tmp, inputs.progress, inputs.timings)
+    rep = write_ct(
+        entry, inputs.model, tmp, inputs.progress, inputs.timings, calibration=inputs.calibration
+    )
     rep.timings["total"] = time.perf_counter() - t0
     annotate = _chain([*_plan_annotations(planned), inputs.annotate])
     if annotate is not None:

@@ -79,6 +79,7 @@ def test_docs_exist() -> None:
 SKIP_DIRS = {
     ".git",
     ".venv",
+    ".bench-venvs",
     "data",
     "node_modules",
     "__pycache__",

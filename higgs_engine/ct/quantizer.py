@@ -32,8 +32,12 @@ __all__ = [
     "FP8_MAX",
     "MULTIPLIERS",
     "CtQuantized",
+    "best_scales",
+    "check_layer",
+    "dequant_grouped",
     "dequantize",
     "fp8_per_token",
+    "group_codes",
     "quantize_layer",
     "quantize_layer_reference",
     "relative_error",
@@ -98,7 +102,7 @@ def _scale_for(
     return s, z
 
 
-def _codes(
+def group_codes(
     wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, scheme: CtScheme
 ) -> torch.Tensor:
     """Codes as float32 values (out, groups, g) of grouped weights for scales s (out, groups)."""
@@ -111,7 +115,7 @@ def _codes(
     return torch.clamp(torch.round(x), qmin, qmax)
 
 
-def _dequant_grouped(
+def dequant_grouped(
     q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """w_hat (out, groups, g) in `dtype`, computed as compressed-tensors dequantizes."""
@@ -145,7 +149,7 @@ def _score(
     return x.mul_(sf).sub_(wg).square_().sum(-1)
 
 
-def _best_scales(
+def best_scales(
     wg: torch.Tensor, scheme: CtScheme, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MSE-best (scale, zero point) of every group of wg (rows, groups, g)."""
@@ -170,13 +174,13 @@ def _finish(
     z: torch.Tensor | None,
     scheme: CtScheme,
 ) -> CtQuantized:
-    q = _codes(wg, s, z, scheme).flatten(1)
+    q = group_codes(wg, s, z, scheme).flatten(1)
     codes = q.to(torch.float8_e4m3fn) if scheme.weight_type == "float" else q.to(torch.int8)
     zp = None if z is None else z.to(torch.int8)
     return CtQuantized(scheme, codes, s, zp)
 
 
-def _check(w: torch.Tensor, scheme: CtScheme) -> None:
+def check_layer(w: torch.Tensor, scheme: CtScheme) -> None:
     if scheme.keep:
         raise InvalidConfigError("a kept layer has no codes: scheme 'keep' is not quantized")
     if w.dim() != 2:
@@ -197,12 +201,12 @@ def quantize_layer(
 ) -> CtQuantized:
     """Codes, scales (in `dtype`) and zero points of the (out, in) weight `w` in `scheme`,
     each group's scale the MSE-best of MULTIPLIERS (ties: the smaller multiplier)."""
-    _check(w, scheme)
+    check_layer(w, scheme)
     wg = _grouped(w, scheme)  # (out, groups, g)
     rows_per_block = max(1, _BLOCK_VALUES // max(1, wg.shape[1] * wg.shape[2]))
     scales, zeros = [], []
     for start in range(0, wg.shape[0], rows_per_block):
-        s, z = _best_scales(wg[start : start + rows_per_block], scheme, dtype)
+        s, z = best_scales(wg[start : start + rows_per_block], scheme, dtype)
         scales.append(s)
         if z is not None:
             zeros.append(z)
@@ -215,7 +219,7 @@ def quantize_layer_reference(
     w: torch.Tensor, scheme: CtScheme, dtype: torch.dtype = torch.float16
 ) -> CtQuantized:
     """Slow twin of `quantize_layer`: each group on its own, its candidates scored in float64."""
-    _check(w, scheme)
+    check_layer(w, scheme)
     wg = _grouped(w, scheme)
     out_f, n_groups, _ = wg.shape
     s_all = torch.ones(out_f, n_groups, dtype=dtype)
@@ -227,8 +231,8 @@ def quantize_layer_reference(
             best = float("inf")
             for m in MULTIPLIERS:
                 s, z = _scale_for(lo, hi, m, scheme, dtype)
-                q = _codes(one, s, z, scheme)
-                w_hat = _dequant_grouped(q, s, z, dtype).to(torch.float64)
+                q = group_codes(one, s, z, scheme)
+                w_hat = dequant_grouped(q, s, z, dtype).to(torch.float64)
                 err = float((w_hat - one.to(torch.float64)).square().sum())
                 if err < best:
                     best = err
@@ -245,7 +249,7 @@ def dequantize(q: CtQuantized) -> torch.Tensor:
     groups = q.scale.shape[1]
     codes = q.codes.reshape(out_f, groups, -1)
     z = None if q.zero_point is None else q.zero_point
-    return _dequant_grouped(codes, q.scale, z, q.scale.dtype).reshape(q.codes.shape)
+    return dequant_grouped(codes, q.scale, z, q.scale.dtype).reshape(q.codes.shape)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -7,6 +7,8 @@
             "allocating"). A layer no kernel takes stays 16-bit, with the reason.
     write   the checkpoint into <out>/compressed-tensors (stage "quantizing"), and the Report:
             every layer's scheme, bits (every scale counted) and t^2, the kept layers and why.
+            A calibrated job first runs GPTQ in each block layer's scheme over the calibration
+            text (higgs_engine.ct.calibrated, stage "calibrating").
 
 The plan's entry (JobPlan.ct) is plain JSON, checked by `check_ct_plan` when a JobPlan is
 built: a service stores it and the worker writes exactly what it says.
@@ -28,6 +30,7 @@ from higgs_engine.progress import ProgressCallback, report
 from higgs_engine.report import LayerReport, Report
 
 if TYPE_CHECKING:
+    from higgs_engine.calibration import Calibration
     from higgs_engine.dynamic import ProfileSource
     from higgs_engine.planning.plans import Target
     from higgs_engine.planning.profile import Profile
@@ -175,23 +178,36 @@ def write_ct(
     tmp: Path,
     progress: ProgressCallback | None,
     timings: dict[str, float],
+    calibration: Calibration | None = None,
 ) -> Report:
     """The plan's checkpoint written into `tmp`/compressed-tensors (`tmp` created here; the
     artifact's directory is named after its format, as the others are), loaded by
     transformers through compressed-tensors (a failure raises CorruptCheckpointError), and its
-    Report (report.json is the caller's to write, once, after its annotations)."""
+    Report (report.json is the caller's to write, once, after its annotations). With
+    `calibration`, the layers inside the transformer blocks are quantized by GPTQ in their
+    schemes first (higgs_engine.ct.calibrated, stage "calibrating"); the rest data-free."""
     from higgs_engine.artifact_check import verify_compressed_tensors
     from higgs_engine.ct.writer import CtAssignment, write_compressed_tensors
 
     check_ct_plan(entry)
     schemes: dict[str, CtScheme] = {n: ct_scheme(s) for n, s in entry["schemes"].items()}
     assignment = CtAssignment(schemes, dict(entry["reasons"]))
+    dtype = str(entry["dtype"])
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
+    layers = None
+    if calibration is not None:
+        from higgs_engine.ct.calibrated import calibrated_layers
+
+        layers, calibrated = calibrated_layers(model, assignment, calibration, dtype, progress)
+        timings["calibrating"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
     summary = write_compressed_tensors(
-        model.path, assignment, tmp / CT_FORMAT, dtype=str(entry["dtype"]), progress=progress
+        model.path, assignment, tmp / CT_FORMAT, dtype=dtype, progress=progress, layers=layers
     )
-    timings["quantizing"] = time.perf_counter() - t0
+    if layers is not None:
+        summary["calibration"] = calibrated
+    timings["quantizing"] = time.perf_counter() - t1
     # checked before success by the loader its users run (higgs_engine.artifact_check)
     t1 = time.perf_counter()
     report(progress, "packaging", 0, 1)

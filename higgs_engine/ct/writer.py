@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,12 +179,22 @@ def _layer_entry(spec: LayerSpec, scheme: CtScheme, bits: int, t2: float) -> dic
     }
 
 
+@dataclass(frozen=True)
+class PrecomputedLayer:
+    """A layer quantized before the write (calibrated): the tensors `compress_layer` gave for
+    it, and its t^2 against the source weight."""
+
+    stored: dict[str, torch.Tensor]
+    t2: float
+
+
 def _write(
     source: Path,
     assignment: CtAssignment,
     staging: Path,
     dtype_name: str,
     progress: ProgressCallback | None,
+    precomputed: Mapping[str, PrecomputedLayer],
 ) -> dict[str, Any]:
     from compressed_tensors.compressors import ModelCompressor
 
@@ -220,7 +231,11 @@ def _write(
                 if scheme.keep:
                     kept.append(spec.name)
                     reasons.setdefault(spec.name, "assigned 16 bits")
-                layers.append(_write_layer(reader, weights, spec, scheme, dtype))
+                done_before = precomputed.get(spec.name)
+                if done_before is not None and not scheme.keep:
+                    layers.append(_add_precomputed(weights, spec, scheme, done_before))
+                else:
+                    layers.append(_write_layer(reader, weights, spec, scheme, dtype))
                 done += 1
                 report(progress, "quantizing", done, total)
         weights.close()
@@ -262,6 +277,19 @@ def _write_layer(
     return _layer_entry(spec, scheme, bits, relative_error(w, dequantize(q)))
 
 
+def _add_precomputed(
+    weights: StreamingSafetensorsWriter,
+    spec: LayerSpec,
+    scheme: CtScheme,
+    layer: PrecomputedLayer,
+) -> dict[str, Any]:
+    """A layer quantized before the write into `weights`; its report entry."""
+    for local, tensor in layer.stored.items():
+        weights.add(f"{spec.name}.{local}", tensor)
+    bits = sum(8 * t.numel() * t.element_size() for t in layer.stored.values())
+    return _layer_entry(spec, scheme, bits, layer.t2)
+
+
 def _summary(
     staging: Path,
     layers: list[dict[str, Any]],
@@ -299,11 +327,13 @@ def write_compressed_tensors(
     *,
     dtype: str = "float16",
     progress: ProgressCallback | None = None,
+    layers: Mapping[str, PrecomputedLayer] | None = None,
 ) -> dict[str, Any]:
     """Write `source` (a local checkpoint directory) as a compressed-tensors checkpoint in
     `out_dir` (which must not exist), each linear layer in its assigned scheme. Returns the
     report: per layer its scheme, bits (every stored tensor) and relative error t^2; the kept
-    layers and why; bits per weight over the linear layers. Stage "quantizing"."""
+    layers and why; bits per weight over the linear layers. Stage "quantizing". `layers`:
+    layers quantized already (calibrated), stored as they are instead of quantized here."""
     source, out_dir = Path(source), Path(out_dir)
     if out_dir.exists():
         raise InvalidConfigError(f"output {str(out_dir)!r} already exists", field="out")
@@ -313,7 +343,7 @@ def write_compressed_tensors(
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        result = _write(source, assignment, staging, dtype, progress)
+        result = _write(source, assignment, staging, dtype, progress, layers or {})
         staging.rename(out_dir)
     except BaseException:
         with contextlib.suppress(OSError):

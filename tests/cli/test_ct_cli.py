@@ -1,6 +1,6 @@
 """`higgs quantize --format compressed-tensors`: a directory transformers loads through
-compressed-tensors, with --bits 4 and with --avg-bits from a profile measured into the cache;
-bad options are one `higgs: error:` line each, with nothing written."""
+compressed-tensors, with --bits 4, with --avg-bits from a profile measured into the cache and
+with --calibration; bad options are one `higgs: error:` line each, with nothing written."""
 
 from __future__ import annotations
 
@@ -75,6 +75,21 @@ def test_avg_bits_profiles_once_and_allocates(tiny: Path, tmp_path: Path) -> Non
     }
 
 
+def test_calibration_runs_gptq_in_the_schemes(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37} and more" for i in range(2000)), encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["quantize", str(tiny), "--out", str(out), "--format", "compressed-tensors",
+                 "--bits", "4", "--calibration", str(text), "--calibration-tokens", "128",
+                 "--quiet"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "calibrated: GPTQ in each scheme on 128 tokens of file:text.txt" in printed
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["metrics"]["calibration"]["layers_calibrated"] == len(rep["layers"])
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -84,7 +99,8 @@ def test_avg_bits_profiles_once_and_allocates(tiny: Path, tmp_path: Path) -> Non
         (["--method", "rtn"], "--method"),
         (["--dtype", "float32"], "--dtype float32"),
         (["--avg-bits", "3"], "smallest feasible budget"),  # the smallest is named
-        (["--calibration", "self"], "--calibration"),
+        (["--calibration-tokens", "64"], "--calibration-tokens needs --calibration"),
+        (["--calibration", "no-such-text.txt"], "no-such-text.txt"),
     ],
 )
 def test_bad_options_are_one_error_line(

@@ -73,6 +73,41 @@ def test_bits_4_is_a_plan_of_schemes_and_a_checkpoint_transformers_loads(
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_calibrated_job_runs_gptq_in_each_scheme_at_the_same_size(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """With a calibration text every block layer is quantized by GPTQ in its scheme: the same
+    schemes and bytes as the data-free job, other codes, and a calibration entry in the report
+    (that GPTQ lowers the output error: tests/engine/test_ct_gptq.py)."""
+    from safetensors.torch import load_file
+
+    from higgs_engine.calibration import CalibrationRequest
+
+    text = " ".join(f"word{i % 53} and then" for i in range(1500))
+    planned: list[JobPlan] = []
+    cal = CalibrationRequest(text, 256, label="file:words.txt")
+    job = QuantizeJob(tiny, ct=CtOptions(bits=4), calibration=cal, on_plan=planned.append)
+    rep = run(job, tmp_path / "cal")
+    free = run(QuantizeJob(tiny, ct=CtOptions(bits=4)), tmp_path / "free")
+    (p,) = planned
+    assert p.calibration is not None and p.calibration["tokens"] == 256
+    assert JobPlan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    entry = rep.metrics["calibration"]
+    assert entry["method"] == "gptq" and entry["source"] == "file:words.txt"
+    assert entry["layers_calibrated"] == len(rep.layers) and entry["layers_without_data"] == []
+    assert "calibrating" in rep.timings
+    assert [(r.name, r.type, r.bytes) for r in rep.layers] == [
+        (r.name, r.type, r.bytes) for r in free.layers
+    ]
+    assert rep.bits_per_weight == free.bits_per_weight
+    a = load_file(str(tmp_path / "cal" / "compressed-tensors" / "model.safetensors"))
+    b = load_file(str(tmp_path / "free" / "compressed-tensors" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    packed = [k for k in a if k.endswith("weight_packed")]
+    assert packed and any(not torch.equal(a[k], b[k]) for k in packed)
+    assert rep.metrics["load_check"]["class"] == "LlamaForCausalLM"
+
+
 def test_bits_8_and_an_encoder(tmp_path: Path) -> None:
     enc = build_tiny_encoder(tmp_path / "bert")
     rep = run(QuantizeJob(enc, ct=CtOptions(bits=8)), tmp_path / "out")

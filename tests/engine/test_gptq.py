@@ -10,11 +10,11 @@ from higgs_engine.baselines import rtn_quantize
 from higgs_engine.errors import InvalidConfigError
 from higgs_engine.gptq import (
     HessianAccumulator,
-    _inverse_cholesky_upper,
     gptq_higgs,
     gptq_higgs_many,
     gptq_higgs_reference,
     gptq_rtn,
+    inverse_cholesky_upper,
     output_error,
     rotate_hessian,
 )
@@ -80,7 +80,7 @@ def test_inverse_cholesky_factor() -> None:
     """U is upper triangular with a positive diagonal and U^T U = H^-1 (the factor GPTQ uses)."""
     a = torch.randn(300, 90, dtype=torch.float64)
     h = a.T @ a / 300 + 0.1 * torch.eye(90, dtype=torch.float64)
-    u = _inverse_cholesky_upper(h)
+    u = inverse_cholesky_upper(h)
     assert torch.equal(u, torch.triu(u)) and bool((torch.diagonal(u) > 0).all())
     torch.testing.assert_close(u.T @ u, torch.linalg.inv(h))
     torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True))
