@@ -335,7 +335,8 @@ def check_ct_request(
     req: JobCreate, ref: ModelSource, registry: LocalNames | None, hub: HubLookup | None = None
 ) -> None:
     """What a compressed-tensors job can be asked for: the format alone, no HIGGS option but a
-    16-bit dtype, data-free, target.bits 4 or 8 or a budget vLLM's schemes can meet, and an
+    16-bit dtype (an uploaded calibration text is taken: GPTQ in each layer's scheme), target.bits
+    4 or 8 or a budget vLLM's schemes can meet, and an
     architecture transformers can load as compressed-tensors (a local model's as registered,
     a Hub model's from its config.json through `hub`)."""
     opts = req.options
@@ -366,11 +367,6 @@ def check_ct_request(
             "compressed-tensors is a checkpoint of vLLM's schemes, not of HIGGS codes: ask for "
             'it alone (options.formats ["compressed-tensors"]) and for other formats in '
             "another job",
-        )
-    if opts.calibration is not None:
-        raise ValidationFailedError.field(
-            "options.calibration",
-            "the compressed-tensors format is data-free here: calibration is not available",
         )
     kind, value = req.target.kind, req.target.value
     if kind == "bits" and value not in CT_BITS:

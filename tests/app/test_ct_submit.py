@@ -51,6 +51,7 @@ def test_a_ct_job_is_stored_as_one(
         ({"bits": 4}, {"p": 2}, "options.p"),
         ({"bits": 4}, {"method": "rtn"}, "options.method"),
         ({"bits": 4}, {"scope": "all"}, "options.scope"),
+        # calibration is taken, but only an upload of this key's
         ({"bits": 4}, {"calibration": "abc"}, "options.calibration"),
     ],
 )
