@@ -17,7 +17,7 @@ Ours, by `higgs quantize --format compressed-tensors`:
                      both files, embeddings and norms in float16, is the same)
     ours calibrated @ lc GPTQ
                      the same allocation at the GPTQ anchor's size with --calibration: GPTQ in
-                     each layer's scheme (MSE-searched group scales), on the same calibration
+                     each layer's scheme (activation order, MSE scales), on the same calibration
                      text and as many tokens as llm-compressor's GPTQ
 Every directory is loaded the same way, by transformers through compressed-tensors in float32,
 and measured on the same text: SmolLM2, perplexity and KL from the 16-bit model on the first

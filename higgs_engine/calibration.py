@@ -49,6 +49,7 @@ __all__ = [
     "CalibrationRequest",
     "calibration_from_text",
     "check_calibration_text",
+    "gptq_entry",
     "prepare_calibration",
     "read_calibration_file",
     "run_calibrated",
@@ -355,6 +356,24 @@ class _Hessians:
             members = [n for n in self.specs if self.leader[n] == lead]
             out.append((members, acc.hessian()))
         return out
+
+
+def gptq_entry(
+    calibration: Calibration, calibrated: int, outside: Sequence[str], **extra: object
+) -> dict[str, Any]:
+    """The report's calibration entry of a GPTQ pass: the text, GPTQ's settings, how many
+    layers it calibrated and which the pass could not reach (`extra`: the caller's own)."""
+    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
+
+    return {
+        **calibration.describe(),
+        "method": "gptq",
+        "damp": DEFAULT_DAMP,
+        "block": DEFAULT_BLOCK,
+        **extra,
+        "layers_calibrated": calibrated,
+        "layers_without_data": list(outside),
+    }
 
 
 def run_calibrated(

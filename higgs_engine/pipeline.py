@@ -62,8 +62,7 @@ def calibrate_layers(
     of its inputs from the block-by-block pass. Returns ({name: q}, the report's calibration
     entry). Layers the pass cannot reach (outside the transformer blocks) are left out of the
     dict: the pipeline quantizes them without data and the entry lists them."""
-    from higgs_engine.calibration import run_calibrated
-    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
+    from higgs_engine.calibration import gptq_entry, run_calibrated
     from higgs_engine.methods import METHODS, Precision
 
     config = ctx.config
@@ -93,15 +92,7 @@ def calibrate_layers(
     outside = run_calibrated(
         ctx.model, reader, [pl.spec for pl in todo], calibration, quantize, ctx.progress
     )
-    info: dict[str, object] = {
-        **calibration.describe(),
-        "method": "gptq",
-        "damp": DEFAULT_DAMP,
-        "block": DEFAULT_BLOCK,
-        "layers_calibrated": len(out),
-        "layers_without_data": outside,
-    }
-    return out, info
+    return out, gptq_entry(calibration, len(out), outside)
 
 
 # ---------------------------------------------------------------------------------------------

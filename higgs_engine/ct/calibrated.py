@@ -1,8 +1,10 @@
 """Calibrated compressed-tensors: every linear layer inside the transformer blocks quantized by
 GPTQ in its assigned scheme (higgs_engine.ct.gptq) with the Hessian of its inputs, from the
 block-by-block pass over the calibration text (higgs_engine.calibration, stage "calibrating"),
-so later blocks see the quantization error of earlier ones. Layers the pass cannot reach and
-layers kept 16-bit are left to the writer (data-free or copied).
+so later blocks see the quantization error of earlier ones. Columns are swept in activation
+order, the group scales fixed first (ACT_ORDER; docs/algorithm.md section 8 has the figures).
+Layers the pass cannot reach and layers kept 16-bit are left to the writer (data-free or
+copied).
 
 The result is the writer's input (`PrecomputedLayer`: the library's compressed tensors and t^2
 against the source weight), so a calibrated checkpoint has exactly the layout, schemes and size
@@ -23,7 +25,11 @@ if TYPE_CHECKING:
     from higgs_engine.model_structure import LayerSpec
     from higgs_engine.sources import ResolvedModel
 
-__all__ = ["calibrated_layers"]
+__all__ = ["ACT_ORDER", "calibrated_layers"]
+
+# Sweep each layer's columns by falling input power, every group's scale fixed first (lower
+# KL than the layer's column order on both SmolLM2 and MiniLM: docs/algorithm.md section 8).
+ACT_ORDER = True
 
 
 def calibrated_layers(
@@ -35,12 +41,11 @@ def calibrated_layers(
 ) -> tuple[dict[str, PrecomputedLayer], dict[str, Any]]:
     """GPTQ of every quantized block layer of `model` in its scheme of `assignment`, scales in
     `dtype`: ({layer name: its stored tensors and t^2}, the report's calibration entry)."""
-    from higgs_engine.calibration import run_calibrated
+    from higgs_engine.calibration import gptq_entry, run_calibrated
     from higgs_engine.ct.gptq import gptq_layer
     from higgs_engine.ct.quantizer import dequantize, relative_error
     from higgs_engine.ct.writer import compress_layer, ct_layers
     from higgs_engine.formats.base import torch_dtype
-    from higgs_engine.gptq import DEFAULT_BLOCK, DEFAULT_DAMP
     from higgs_engine.safetensors_stream import CheckpointReader
 
     tdtype = torch_dtype(dtype)
@@ -56,7 +61,7 @@ def calibrated_layers(
     ) -> list[torch.Tensor]:
         w_hats = []
         for spec, w in zip(group, ws, strict=True):
-            q = gptq_layer(w, hessian, assignment.scheme_of(spec.name), tdtype)
+            q = gptq_layer(w, hessian, assignment.scheme_of(spec.name), tdtype, act_order=ACT_ORDER)
             w_hat = dequantize(q)
             out[spec.name] = PrecomputedLayer(compress_layer(q, tdtype), relative_error(w, w_hat))
             w_hats.append(w_hat.float())
@@ -64,12 +69,5 @@ def calibrated_layers(
 
     with CheckpointReader(model.path) as reader:
         outside = run_calibrated(model, reader, specs, calibration, quantize, progress)
-    info: dict[str, Any] = {
-        **calibration.describe(),
-        "method": "gptq",
-        "damp": DEFAULT_DAMP,
-        "block": DEFAULT_BLOCK,
-        "layers_calibrated": len(out),
-        "layers_without_data": outside,
-    }
-    return out, info
+    order = "activation" if ACT_ORDER else "layer"
+    return out, gptq_entry(calibration, len(out), outside, order=order)

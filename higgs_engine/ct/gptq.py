@@ -1,15 +1,18 @@
 """Calibrated compressed-tensors: GPTQ in one of vLLM's symmetric schemes, with MSE-searched
 scales, for one linear layer W (out, in) and the Hessian 2 X^T X / tokens of its inputs.
 
-Columns are quantized left to right in the scheme's own grid (int4 / int8 codes, or FP8 values,
-times the group's scale in the checkpoint dtype), and each column's rounding error is pushed
-onto the columns not yet quantized through the upper Cholesky factor U of the damped inverse
-Hessian (higgs_engine.gptq, the same sweep and lazy block updates as calibrated HIGGS). Scales:
-- grouped schemes (W4A16 g32/g64/g128): when the sweep reaches a group, its scale is the
-  MSE-best of the quantizer's multipliers on the group's columns as updated so far (as GPTQ
-  sets each group's scale from the updated weights; here by MSE search instead of min-max);
-- per-channel schemes (int8, FP8): the row's MSE-best scale of the original weights, fixed
-  before the sweep (a row is one group).
+Columns are quantized in the scheme's own grid (int4 / int8 codes, or FP8 values, times the
+group's scale in the checkpoint dtype), and each column's rounding error is pushed onto the
+columns not yet quantized through the upper Cholesky factor U of the damped inverse Hessian
+(higgs_engine.gptq, the same sweep and lazy block updates as calibrated HIGGS). The order and
+the scales:
+- `act_order=True` (what calibrated jobs run): columns by falling Hessian diagonal
+  (`activation_order`), every group's scale the MSE-best of the original weights, fixed before
+  the sweep; the codes keep the layer's column positions, so the stored groups are contiguous
+  as in the data-free layer;
+- `act_order=False`: left to right; a grouped scheme's scale is searched when the sweep
+  reaches the group, on its columns as updated so far; a per-channel scheme's (int8, FP8) is
+  the row's MSE-best of the original weights.
 
 The result is an ordinary `CtQuantized` in the scheme: the writer stores it with the library's
 compressor, and its decompression is our `dequantize` exactly, as for data-free layers.
@@ -42,7 +45,7 @@ from higgs_engine.gptq import (
     sweep_with_writeback,
 )
 
-__all__ = ["gptq_layer", "gptq_layer_reference"]
+__all__ = ["activation_order", "gptq_layer", "gptq_layer_reference"]
 
 
 def _setup(w: torch.Tensor, hessian: torch.Tensor, scheme: CtScheme) -> int:
@@ -59,26 +62,43 @@ def _setup(w: torch.Tensor, hessian: torch.Tensor, scheme: CtScheme) -> int:
 class _Columns:
     """The column quantizer of one sweep: the scale of a column's group (searched when the
     sweep reaches a grouped scheme's group, fixed for a per-channel one), its code and the
-    value the checkpoint decompresses to (float32)."""
+    value the checkpoint decompresses to (float32).
 
-    def __init__(self, W: torch.Tensor, scheme: CtScheme, dtype: torch.dtype, g: int) -> None:
+    `W` is the sweep's working matrix. With `order` (its column j is the layer's column
+    order[j]: activation order), every group's scale is fixed before the sweep from the layer's
+    `original` weight (a group's columns are no longer swept together), and codes land at the
+    layer's own column positions."""
+
+    def __init__(
+        self,
+        W: torch.Tensor,
+        scheme: CtScheme,
+        dtype: torch.dtype,
+        g: int,
+        order: torch.Tensor | None = None,
+        original: torch.Tensor | None = None,
+    ) -> None:
         out_f, in_f = W.shape
         self.W, self.scheme, self.dtype, self.g = W, scheme, dtype, g
+        self.order = order
         self.scales = torch.ones(out_f, in_f // g, dtype=dtype)
         self.codes = torch.empty(out_f, in_f, dtype=torch.float32)
-        self.per_group = scheme.group_size is not None
-        if not self.per_group:  # a row is one group: its scale from the original weights
-            self.scales, _ = best_scales(W.to(torch.float32)[:, None, :], scheme, dtype)
+        self.per_group = scheme.group_size is not None and order is None
+        if not self.per_group:  # scales from the original weights, before the sweep
+            src = W if original is None else original
+            grouped = src.to(torch.float32).reshape(out_f, in_f // g, g)
+            self.scales, _ = best_scales(grouped, scheme, dtype)
 
     def __call__(self, j: int, col: torch.Tensor) -> torch.Tensor:
-        gi = j // self.g
+        at = j if self.order is None else int(self.order[j])  # the layer's column
+        gi = at // self.g
         if self.per_group and j % self.g == 0:
             grp = self.W[:, j : j + self.g].to(torch.float32)[:, None, :]  # updated columns
             s, _ = best_scales(grp, self.scheme, self.dtype)
             self.scales[:, gi : gi + 1] = s
         s = self.scales[:, gi : gi + 1]  # (out, 1)
         q = group_codes(col.to(torch.float32)[:, None, :], s, None, self.scheme)  # (out, 1, 1)
-        self.codes[:, j : j + 1] = q[:, :, 0]
+        self.codes[:, at : at + 1] = q[:, :, 0]
         v = dequant_grouped(q, s, None, self.dtype).to(torch.float32)
         return v[:, :, 0].to(col.dtype)
 
@@ -91,6 +111,22 @@ class _Columns:
         return CtQuantized(self.scheme, codes, self.scales, None)
 
 
+def activation_order(hessian: torch.Tensor) -> torch.Tensor:
+    """The columns by falling Hessian diagonal (the inputs' mean square: the largest first;
+    ties keep the layer's order)."""
+    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+
+
+def _ordered(
+    w: torch.Tensor, hessian: torch.Tensor, act_order: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(the weight and the Hessian in the sweep's column order, that order or None)."""
+    if not act_order:
+        return w, hessian, None
+    perm = activation_order(hessian)
+    return w[:, perm], hessian[perm][:, perm], perm
+
+
 def gptq_layer(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -100,16 +136,19 @@ def gptq_layer(
     damp: float = DEFAULT_DAMP,
     block: int = DEFAULT_BLOCK,
     precision: torch.dtype = torch.float32,
+    act_order: bool = False,
 ) -> CtQuantized:
     """GPTQ of the (out, in) weight `w` in `scheme` (symmetric) with the inputs' Hessian
     (in, in): codes and scales (in `dtype`) as data-free `quantize_layer` returns them.
-    `precision`: the sweep's arithmetic (float32 as GPTQ runs it; float64 for the tests)."""
+    `precision`: the sweep's arithmetic (float32 as GPTQ runs it; float64 for the tests).
+    `act_order`: sweep the columns in `activation_order`, every group's scale fixed first."""
     g = _setup(w, hessian, scheme)
     if scheme.group_size is not None and block % g and g % block:
         raise InvalidConfigError(f"block={block} and group size {g} must nest")
-    U = inverse_cholesky_upper(prepare_hessian(hessian, damp), precision)
-    W = w.to(precision).clone()
-    cols = _Columns(W, scheme, dtype, g)
+    ws, hs, order = _ordered(w, hessian, act_order)
+    U = inverse_cholesky_upper(prepare_hessian(hs, damp), precision)
+    W = ws.to(precision).clone()
+    cols = _Columns(W, scheme, dtype, g, order, w)
     sweep_with_writeback(W, U, block, cols)
     return cols.result()
 
@@ -121,14 +160,16 @@ def gptq_layer_reference(
     dtype: torch.dtype = torch.float16,
     *,
     damp: float = DEFAULT_DAMP,
+    act_order: bool = False,
 ) -> CtQuantized:
     """Slow twin of `gptq_layer` (float64): after column j, every remaining column is corrected
     by W_R -= (w_j - q_j) Hinv_jR / Hinv_jj, and Hinv becomes the inverse Hessian of the
     remaining columns, Hinv_RR - Hinv_Rj Hinv_jR / Hinv_jj."""
     g = _setup(w, hessian, scheme)
-    hinv = torch.linalg.inv(prepare_hessian(hessian, damp))  # (in, in) float64
-    W = w.to(torch.float64).clone()
-    cols = _Columns(W, scheme, dtype, g)
+    ws, hs, order = _ordered(w, hessian, act_order)
+    hinv = torch.linalg.inv(prepare_hessian(hs, damp))  # (in, in) float64
+    W = ws.to(torch.float64).clone()
+    cols = _Columns(W, scheme, dtype, g, order, w)
     step: Callable[[int, torch.Tensor], torch.Tensor] = cols
     for j in range(int(W.shape[1])):
         col = W[:, j : j + 1].clone()
