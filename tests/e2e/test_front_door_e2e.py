@@ -219,14 +219,15 @@ def test_hub_check_flood_leaves_other_tenants_alone(
     assert codes <= {(202, ""), (429, "hub_check_busy"), (429, "quota_exceeded")}, codes
     assert silent_hub.most_open <= 1, silent_hub.most_open
     solo_p99, during_p99 = _p99(solo), _p99(during)
-    # A floor of 20 ms under the solo figure: a p99 of a few ms alone doubles on any hiccup of
-    # this shared machine. Without the bounds every API thread waits on the Hub and the quiet
-    # tenant's polls take seconds.
+    # Without the bounds every API thread waits on the Hub and the quiet tenant's polls take
+    # about HUB_TIMEOUT_S (seconds). With them the polls only share the CPU with 130 flooding
+    # threads: tens of ms, several times a solo p99 of a few ms. The bound sits between the two:
+    # four times the solo figure, with a floor of an eighth of the Hub's timeout.
     print(
         f"quiet tenant's GET p99: {1000 * solo_p99:.1f} ms alone, {1000 * during_p99:.1f} ms "
         f"under the flood ({len(solo)} / {len(during)} polls)"
     )
-    assert during_p99 <= 2 * max(solo_p99, 0.02), (
+    assert during_p99 <= max(4 * solo_p99, HUB_TIMEOUT_S / 8), (
         f"quiet tenant's GET p99 {1000 * during_p99:.1f} ms under the flood against "
         f"{1000 * solo_p99:.1f} ms alone ({len(during)} / {len(solo)} polls, {took:.1f} s)"
     )
