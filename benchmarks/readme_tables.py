@@ -17,6 +17,7 @@ SECTIONS = [  # (results file stem, script that writes it)
     ("ct_native", "python -m benchmarks.ct_native"),
     ("decode_speed", "python -m benchmarks.decode_speed"),
     ("llmcompressor", "python -m benchmarks.llmcompressor"),
+    ("ct_rotation", "python -m benchmarks.ct_rotation"),
     ("gguf_smollm2", "python -m benchmarks.gguf --model smollm2 --threads 1"),
     ("gguf_minilm", "python -m benchmarks.gguf --model minilm --threads 1"),
     (
